@@ -1,0 +1,175 @@
+"""Quantized tensors: the one numeric path every other part of lowbit uses.
+
+``quantize(x, scheme)`` returns a :class:`QTensor` (codes plus scales), and
+``dequantize`` turns it back into floats with the convention of :mod:`lowbit.scheme`::
+
+    x ≈ (decode(code) − zero) · scale · global_scale
+
+``fake_quantize`` gives the same numbers as ``dequantize(quantize(x))`` without
+materialising the codes; it is what runs inside a model during evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .granularity import blocked, from_matrix_view, matrix_view, unblocked
+from .scheme import Scheme, _global_divisor
+
+__all__ = ["QTensor", "QParams", "quantize", "dequantize", "fake_quantize", "sqnr", "compute_qparams", "NonFiniteError"]
+
+
+class NonFiniteError(ValueError):
+    """A tensor to quantize holds NaN or inf: its scales would be meaningless."""
+
+
+@dataclass
+class QParams:
+    """Scales of one tensor: ``scale`` and ``zero`` are ``(R, C)`` per block (fp32,
+    already rounded to how they are stored); ``global_scale`` is a 0-d fp32 tensor."""
+
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor, unpacked.
+
+    Attributes:
+        codes: ``uint8`` bit patterns of the element format, shape of the original tensor.
+        scale: ``(R, C)`` fp32 scale per block (see ``Granularity.scale_shape``).
+        zero: ``(R, C)`` zero points in the element format's values, or ``None``.
+        global_scale: 0-d fp32 tensor, or ``None``.
+        scheme: the scheme the tensor was quantized with.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    scheme: Scheme
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    @property
+    def qparams(self) -> QParams:
+        return QParams(self.scale, self.zero, self.global_scale)
+
+    def values(self) -> torch.Tensor:
+        """The element values ``decode(code)`` (fp32), before scaling."""
+        return self.scheme.format.decode(self.codes)
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        n = int(bad.sum())
+        raise NonFiniteError(
+            f"{what}: {n} of {x.numel()} elements are NaN or inf; quantization scales would be "
+            "corrupted. Fix the input (e.g. check the checkpoint for overflowed weights)."
+        )
+
+
+def compute_qparams(x: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor | None = None) -> QParams:
+    """Scales of ``x`` under ``scheme`` from its own block minima and maxima.
+
+    For a scheme with a global scale, ``global_scale`` may be given (a calibrated
+    activation scale); otherwise it is computed from ``x``.
+    """
+    m = matrix_view(x.detach(), scheme.granularity).to(torch.float32)
+    b = blocked(m, scheme.granularity)
+    if scheme.symmetric:
+        hi = b.abs().amax(dim=(1, 3))
+        lo = -hi
+    else:
+        lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
+    if scheme.global_scale and global_scale is None:
+        global_scale = scheme.global_scale_from_amax(m.abs().amax())
+    scale, zero = scheme.scales_from_range(lo, hi, global_scale)
+    return QParams(scale, zero, global_scale if scheme.global_scale else None)
+
+
+def _effective_scale(qp: QParams) -> torch.Tensor:
+    if qp.global_scale is None:
+        return qp.scale
+    return qp.scale / _global_divisor(qp.global_scale)
+
+
+def _quantize_blocks(
+    x: torch.Tensor, scheme: Scheme, qp: QParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """Element values (in the format's domain) of ``x``, as a blocked ``(R, br, C, bc)``
+    tensor, with the broadcastable effective scale and zero."""
+    m = matrix_view(x, scheme.granularity).to(torch.float32)
+    rows, cols = m.shape
+    b = blocked(m, scheme.granularity)
+    s = _effective_scale(qp)[:, None, :, None]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    scaled = b / safe
+    z = None
+    if qp.zero is not None:
+        z = qp.zero[:, None, :, None]
+        scaled = scaled + z
+    q = scheme.format.round(scaled)
+    # a zero scale means an all-zero (or underflowed) block: every element is zero
+    q = torch.where(s > 0, q, z if z is not None else torch.zeros_like(q))
+    return q, s, z, rows, cols
+
+
+def quantize(x: torch.Tensor, scheme: Scheme, qparams: QParams | None = None) -> QTensor:
+    """Quantize ``x`` with ``scheme``; scales come from ``qparams`` (static, calibrated)
+    or from ``x`` itself.
+
+    Raises:
+        NonFiniteError: ``x`` holds NaN or inf.
+    """
+    _check_finite(x, "quantize")
+    qp = qparams if qparams is not None else compute_qparams(x, scheme)
+    q, _, _, rows, cols = _quantize_blocks(x, scheme, qp)
+    vals = from_matrix_view(unblocked(q, rows, cols), tuple(x.shape), scheme.granularity)
+    codes = scheme.format.encode(vals)
+    return QTensor(codes, qp.scale, qp.zero, qp.global_scale, scheme)
+
+
+def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(decode(code) − zero) · scale · global_scale`` in ``dtype``."""
+    scheme = qt.scheme
+    v = matrix_view(qt.values(), scheme.granularity)
+    rows, cols = v.shape
+    b = blocked(v, scheme.granularity)
+    qp = qt.qparams
+    if qp.zero is not None:
+        b = b - qp.zero[:, None, :, None]
+    out = b * _effective_scale(qp)[:, None, :, None]
+    return from_matrix_view(unblocked(out, rows, cols), qt.shape, scheme.granularity).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, scheme: Scheme, qparams: QParams | None = None) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype, without materialising codes.
+
+    Raises:
+        NonFiniteError: ``x`` holds NaN or inf.
+    """
+    _check_finite(x, "fake_quantize")
+    qp = qparams if qparams is not None else compute_qparams(x, scheme)
+    q, s, z, rows, cols = _quantize_blocks(x, scheme, qp)
+    if z is not None:
+        q = q.sub_(z)
+    out = q.mul_(s)
+    return from_matrix_view(unblocked(out, rows, cols), tuple(x.shape), scheme.granularity).to(x.dtype)
+
+
+def sqnr(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10·log10(Σx² / Σ(x − x̂)²)``
+    (``inf`` when the two are equal)."""
+    x = x.to(torch.float64)
+    noise = (x - x_hat.to(torch.float64)).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(x.pow(2).sum() / noise))

@@ -1,0 +1,279 @@
+"""How one tensor is quantized: element format × granularity × scales.
+
+The one scale convention of lowbit, used everywhere::
+
+    x ≈ (decode(code) − zero) · scale · global_scale
+
+``scale`` has one entry per block of the granularity and is stored rounded to
+``scale_dtype``; ``zero`` exists only for asymmetric schemes and lies in the element
+format's value range; ``global_scale`` (one fp32 number per tensor) exists only for
+two-level schemes such as NVFP4.  Other tools' conventions (compressed-tensors'
+divisor-style global scale, offset-binary int4, E8M0 scales as biased exponents) are
+converted in ``lowbit.export`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import formats as F
+from .granularity import CHANNEL, TENSOR, TOKEN, Granularity, block, group, parse_granularity
+
+__all__ = [
+    "Scheme",
+    "PRESETS",
+    "SCALE_DTYPES",
+    "get_scheme",
+    "bits_per_element",
+    "scheme_from_dict",
+]
+
+#: scale storage formats and their widths in bits
+SCALE_DTYPES: dict[str, int] = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8_e4m3": 8, "e8m0": 8}
+_TORCH_SCALE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one tensor is quantized.
+
+    Attributes:
+        format: the element format (see :mod:`lowbit.formats`).
+        granularity: which elements share a scale.
+        symmetric: ``False`` adds an integer zero point per block (integer formats only).
+        scale_dtype: how scales are stored: ``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3``
+            (NVFP4 block scales) or ``e8m0`` (power-of-two MX scales).
+        global_scale: one extra fp32 scale per tensor (NVFP4): block scales are then
+            stored relative to it, so that they fit the FP8 range.
+        dynamic: for activations, scales are computed from each tensor at run time;
+            otherwise they come from calibration.  A global scale is always calibrated.
+        mx_round_up: for ``e8m0`` scales, round the shared exponent up so that nothing
+            clips (NVIDIA's rule) instead of the OCP MX rule ``floor(log2 amax) − emax``.
+    """
+
+    format: F.Format
+    granularity: Granularity
+    symmetric: bool = True
+    scale_dtype: str = "fp32"
+    global_scale: bool = False
+    dynamic: bool = False
+    mx_round_up: bool = False
+
+    def __post_init__(self) -> None:
+        fmt = self.format
+        if fmt.kind == "e8m0":
+            raise ValueError("e8m0 is a scale format, not an element format; use it as scale_dtype")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"unknown scale_dtype {self.scale_dtype!r}; expected one of {list(SCALE_DTYPES)}")
+        if not self.symmetric and fmt.kind != "int":
+            raise ValueError(
+                f"asymmetric quantization needs an integer format, got {fmt.name}: float formats are "
+                "symmetric around zero (compressed-tensors and vLLM refuse asymmetric FP4/FP8); use symmetric=True"
+            )
+        if not self.symmetric and self.scale_dtype == "e8m0":
+            raise ValueError("power-of-two (e8m0) scales are defined for symmetric schemes only")
+        if fmt.kind == "int" and self.symmetric and not fmt.signed:
+            raise ValueError(f"symmetric quantization needs a signed format, got {fmt.name}")
+        if self.global_scale and self.scale_dtype != "fp8_e4m3":
+            raise ValueError("a global scale is used with fp8_e4m3 block scales (NVFP4-style); set scale_dtype='fp8_e4m3'")
+        if self.mx_round_up and self.scale_dtype != "e8m0":
+            raise ValueError("mx_round_up applies to e8m0 scales only")
+
+    def __str__(self) -> str:
+        parts = [self.format.name, str(self.granularity)]
+        if not self.symmetric:
+            parts.append("asym")
+        parts.append(f"scale={self.scale_dtype}")
+        if self.global_scale:
+            parts.append("+global")
+        if self.dynamic:
+            parts.append("dynamic")
+        return " ".join(parts)
+
+    @property
+    def qmin(self) -> float:
+        return self.format.min
+
+    @property
+    def qmax(self) -> float:
+        return self.format.max
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.format.name,
+            "granularity": str(self.granularity),
+            "symmetric": self.symmetric,
+            "scale_dtype": self.scale_dtype,
+            "global_scale": self.global_scale,
+            "dynamic": self.dynamic,
+            "mx_round_up": self.mx_round_up,
+        }
+
+    # -- scales ------------------------------------------------------------------------
+
+    def round_scale(self, s: torch.Tensor) -> torch.Tensor:
+        """Round scales (fp32) to how they are stored; returns fp32."""
+        if self.scale_dtype in _TORCH_SCALE:
+            return s.to(_TORCH_SCALE[self.scale_dtype]).to(torch.float32)
+        if self.scale_dtype == "fp8_e4m3":
+            return F.FP8_E4M3.round(s)
+        return F.E8M0.round_by_table(s)
+
+    def global_scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The per-tensor scale that maps the tensor's absmax to ``format.max · fp8.max``.
+
+        An all-zero tensor gets 1, so that nothing divides by zero.
+        """
+        denom = self.format.max * F.FP8_E4M3.max
+        g = amax.to(torch.float32) / denom
+        return torch.where(amax > 0, g, torch.ones_like(g)).reshape(())
+
+    def scales_from_range(
+        self,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        global_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale and zero point per block from the block's min ``lo`` and max ``hi``.
+
+        Zero is always representable: the range is widened to include it.  A block whose
+        range is zero gets scale 0, and every element of it quantizes to zero.
+
+        Returns ``(scale, zero)``; ``zero`` is ``None`` for symmetric schemes.
+        """
+        fmt = self.format
+        lo = torch.minimum(lo.to(torch.float32), torch.zeros((), dtype=torch.float32))
+        hi = torch.maximum(hi.to(torch.float32), torch.zeros((), dtype=torch.float32))
+        if not self.symmetric:
+            scale = self.round_scale((hi - lo) / (fmt.max - fmt.min))
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            zero = torch.round(fmt.min - lo / safe).clamp_(fmt.min, fmt.max)
+            return scale, torch.where(scale > 0, zero, torch.zeros_like(zero))
+        amax = torch.maximum(-lo, hi)
+        if self.scale_dtype == "e8m0":
+            return _mx_scale(amax, fmt, self.mx_round_up), None
+        if self.global_scale:
+            if global_scale is None:
+                raise ValueError("this scheme has a global scale; pass global_scale")
+            # stored block scale, relative to the global scale; saturates at fp8 max (448)
+            return F.FP8_E4M3.round(amax / fmt.max * _global_divisor(global_scale)), None
+        return self.round_scale(amax / fmt.max), None
+
+
+def _global_divisor(global_scale: torch.Tensor) -> torch.Tensor:
+    """``1 / global_scale`` as runtimes that store the reciprocal (compressed-tensors,
+    vLLM) hold it.  Every use of a global scale goes through this one number, so lowbit
+    rounds exactly as they do."""
+    return (1.0 / global_scale.to(torch.float32)).to(torch.float32)
+
+
+def _mx_scale(amax: torch.Tensor, fmt: F.Format, round_up: bool) -> torch.Tensor:
+    """OCP MX shared scale 2^(floor(log2 amax) − emax_elem); or, rounded up,
+    2^ceil(log2(amax / max_elem)) so that no element clips.  Exponents clamp to the
+    E8M0 range [−127, 127]; an all-zero block gets 2^−127."""
+    a = amax.clamp(min=2.0**-127)
+    if round_up:
+        e = torch.ceil(torch.log2(a / fmt.max))
+    else:
+        _, ex = torch.frexp(a)  # exact floor(log2 a) = ex − 1
+        e = (ex - 1 - fmt.emax).to(torch.float32)
+    return torch.exp2(e.clamp(-127, 127))
+
+
+# -- presets -------------------------------------------------------------------------
+
+PRESETS: dict[str, Scheme] = {
+    # weights
+    "fp8-tensor": Scheme(F.FP8_E4M3, TENSOR),
+    "fp8-channel": Scheme(F.FP8_E4M3, CHANNEL, scale_dtype="bf16"),
+    "fp8-block": Scheme(F.FP8_E4M3, block(128, 128)),
+    "int8-tensor": Scheme(F.INT8, TENSOR),
+    "int8-channel": Scheme(F.INT8, CHANNEL, scale_dtype="bf16"),
+    "int4-channel": Scheme(F.INT4, CHANNEL, scale_dtype="bf16"),
+    "int4-tensor": Scheme(F.INT4, TENSOR),
+    "int4-g128": Scheme(F.INT4, group(128), scale_dtype="bf16"),
+    "int4-g128-asym": Scheme(F.UINT4, group(128), symmetric=False, scale_dtype="bf16"),
+    "int4-g64": Scheme(F.INT4, group(64), scale_dtype="bf16"),
+    "int4-g64-asym": Scheme(F.UINT4, group(64), symmetric=False, scale_dtype="bf16"),
+    "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16"),
+    "mxfp4": Scheme(F.FP4_E2M1, group(32), scale_dtype="e8m0", dynamic=True),
+    "mxfp6": Scheme(F.FP6_E2M3, group(32), scale_dtype="e8m0", dynamic=True),
+    "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True),
+    "nvfp4": Scheme(F.FP4_E2M1, group(16), scale_dtype="fp8_e4m3", global_scale=True, dynamic=True),
+    # activations (the scale comes from each token / group at run time)
+    "fp8-token": Scheme(F.FP8_E4M3, TOKEN, dynamic=True),
+    "fp8-group128": Scheme(F.FP8_E4M3, group(128), dynamic=True),
+    "int8-token": Scheme(F.INT8, TOKEN, dynamic=True),
+    "int4-token": Scheme(F.INT4, TOKEN, dynamic=True),
+}
+
+
+def get_scheme(name: str) -> Scheme:
+    """A preset by name, with an error that lists the presets."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown scheme {name!r}; presets are: {', '.join(PRESETS)}") from None
+
+
+_SCHEME_KEYS = {"format", "granularity", "symmetric", "scale_dtype", "global_scale", "dynamic", "mx_round_up"}
+
+
+def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
+    """A scheme from a preset name or a mapping with the keys of :meth:`Scheme.to_dict`.
+
+    ``where`` names the place in a config file for error messages.
+    """
+    if isinstance(d, str):
+        try:
+            return get_scheme(d)
+        except KeyError as e:
+            raise ValueError(f"{where}: {e.args[0]}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a preset name or a mapping, got {type(d).__name__}")
+    unknown = set(d) - _SCHEME_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SCHEME_KEYS)}")
+    for key in ("format", "granularity"):
+        if key not in d:
+            raise ValueError(f"{where}.{key}: required")
+    if d["format"] not in F.FORMATS:
+        raise ValueError(f"{where}.format: unknown format {d['format']!r}; known: {', '.join(F.FORMATS)}")
+    try:
+        return Scheme(
+            format=F.FORMATS[d["format"]],
+            granularity=parse_granularity(str(d["granularity"])),
+            symmetric=bool(d.get("symmetric", True)),
+            scale_dtype=d.get("scale_dtype", "fp32"),
+            global_scale=bool(d.get("global_scale", False)),
+            dynamic=bool(d.get("dynamic", False)),
+            mx_round_up=bool(d.get("mx_round_up", False)),
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+# -- sizes ---------------------------------------------------------------------------
+
+#: the matrix used when no shape is given: large enough that per-tensor overheads vanish
+DEFAULT_SHAPE = (4096, 4096)
+
+
+def bits_per_element(scheme: Scheme, shape: tuple[int, ...] = DEFAULT_SHAPE) -> float:
+    """Storage bits per element of a tensor of ``shape``, scales and zero points included.
+
+    ``element bits + (scale bits + zero bits) · blocks / elements + 32 / elements`` for
+    a global scale.  Examples: NVFP4 ≈ 4.5, MXFP4 = 4.25, INT4 group 128 with a 16-bit
+    scale = 4.125; INT4 group 64 with an fp16 scale and an int4 zero point = 4.3125.
+    This is the one source of truth for sizes in lowbit (memory planning uses it too).
+    """
+    numel = math.prod(shape)
+    if numel == 0:
+        raise ValueError(f"bits_per_element: empty shape {shape}")
+    nr, nc = scheme.granularity.scale_shape(tuple(shape))
+    per_block = SCALE_DTYPES[scheme.scale_dtype] + (0 if scheme.symmetric else scheme.format.bits)
+    total = numel * scheme.format.bits + nr * nc * per_block + (32 if scheme.global_scale else 0)
+    return total / numel
