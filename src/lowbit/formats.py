@@ -165,7 +165,7 @@ class Format:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Round ``x`` and return the bit patterns as ``uint8``."""
-        r = self.round(x.to(torch.float32))
+        r = self.round(x.to(torch.float32)).contiguous()
         if torch.isnan(r).any():
             raise ValueError(f"{self.name}.encode: input contains NaN")
         t = self._tables
@@ -186,24 +186,27 @@ class Format:
 
 
 def _round_minifloat(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Round to a sign/exponent/mantissa format by arithmetic.
+    """Round to a sign/exponent/mantissa format by arithmetic on fp32 bit fields.
 
-    For |x| in the binade [2^e, 2^(e+1)) the spacing is 2^(e-m); below the smallest
-    normal the spacing stays at the subnormal step.  ``torch.round`` rounds half to
-    even, and an even multiple of the spacing is an even code, so ties go to the even
-    code as the table rule says.
+    For |x| in the binade [2^e, 2^(e+1)) the spacing is 2^(e−m); below the smallest
+    normal it stays at the subnormal spacing.  ``torch.round`` rounds half to even, and
+    an even multiple of the spacing is an even code, so ties go to the even code as the
+    table rule says.  FP8 uses torch's own casts, which round the same way (tested).
+    NaN propagates through every step.
     """
+    dtype = _TORCH_CASTS.get(fmt.name)
+    if dtype is not None:
+        return x.to(torch.float32).clamp(-fmt.max, fmt.max).to(dtype).to(x.dtype)
     xf = x.to(torch.float32)
     a = xf.abs().clamp_(max=fmt.max)
-    emin = 1 - fmt.bias
-    # frexp: a = mant * 2**exp with mant in [0.5, 1), so floor(log2 a) = exp - 1
-    _, exp = torch.frexp(a)
-    e = (exp - 1).clamp_(min=emin)
-    step = torch.ldexp(torch.ones_like(a), e - fmt.mantissa_bits)
-    q = torch.round(a / step).mul_(step).clamp_(max=fmt.max)
-    q = torch.copysign(q, xf)
-    q = torch.where(torch.isnan(xf), xf, q)
-    return q.to(x.dtype)
+    # unbiased fp32 exponent, floor(log2 a); fp32 subnormals and zero land far below emin
+    e = (a.view(torch.int32) >> 23).sub_(127).clamp_(min=1 - fmt.bias)
+    inv_step = ((127 + fmt.mantissa_bits) - e).bitwise_left_shift_(23).view(torch.float32)
+    q = torch.round(a.mul_(inv_step)).div_(inv_step)  # powers of two: exact
+    return torch.copysign(q, xf, out=q).to(x.dtype)
+
+
+_TORCH_CASTS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 # -- the table builders ------------------------------------------------------------

@@ -84,13 +84,14 @@ def compute_qparams(x: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor 
     """
     m = matrix_view(x.detach(), scheme.granularity).to(torch.float32)
     b = blocked(m, scheme.granularity)
+    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))  # NaN propagates into these
+    if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        _check_finite(x, "quantize")
     if scheme.symmetric:
-        hi = b.abs().amax(dim=(1, 3))
+        hi = torch.maximum(-lo, hi)
         lo = -hi
-    else:
-        lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
     if scheme.global_scale and global_scale is None:
-        global_scale = scheme.global_scale_from_amax(m.abs().amax())
+        global_scale = scheme.global_scale_from_amax(hi.max())
     scale, zero = scheme.scales_from_range(lo, hi, global_scale)
     return QParams(scale, zero, global_scale if scheme.global_scale else None)
 
@@ -110,15 +111,15 @@ def _quantize_blocks(
     rows, cols = m.shape
     b = blocked(m, scheme.granularity)
     s = _effective_scale(qp)[:, None, :, None]
-    safe = torch.where(s > 0, s, torch.ones_like(s))
+    # a zero scale means an all-zero (or underflowed) block: dividing by inf sends every
+    # element of it to zero (to the zero point, for asymmetric schemes)
+    safe = torch.where(s > 0, s, torch.full_like(s, float("inf")))
     scaled = b / safe
     z = None
     if qp.zero is not None:
         z = qp.zero[:, None, :, None]
-        scaled = scaled + z
+        scaled.add_(z)
     q = scheme.format.round(scaled)
-    # a zero scale means an all-zero (or underflowed) block: every element is zero
-    q = torch.where(s > 0, q, z if z is not None else torch.zeros_like(q))
     return q, s, z, rows, cols
 
 
@@ -129,7 +130,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, qparams: QParams | None = None) ->
     Raises:
         NonFiniteError: ``x`` holds NaN or inf.
     """
-    _check_finite(x, "quantize")
+    if qparams is not None:
+        _check_finite(x, "quantize")
     qp = qparams if qparams is not None else compute_qparams(x, scheme)
     q, _, _, rows, cols = _quantize_blocks(x, scheme, qp)
     vals = from_matrix_view(unblocked(q, rows, cols), tuple(x.shape), scheme.granularity)
@@ -153,10 +155,10 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def fake_quantize(x: torch.Tensor, scheme: Scheme, qparams: QParams | None = None) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype, without materialising codes.
 
-    Raises:
-        NonFiniteError: ``x`` holds NaN or inf.
+    With scales computed from ``x``, NaN or inf in ``x`` raise :class:`NonFiniteError`.
+    With given (static) ``qparams`` no check is made, for speed inside a model: inf
+    saturates to the largest code and NaN stays NaN in the output.
     """
-    _check_finite(x, "fake_quantize")
     qp = qparams if qparams is not None else compute_qparams(x, scheme)
     q, s, z, rows, cols = _quantize_blocks(x, scheme, qp)
     if z is not None:

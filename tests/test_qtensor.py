@@ -1,0 +1,216 @@
+"""Schemes and QTensor: the worked examples of REFERENCE §1, and properties."""
+
+import math
+
+import pytest
+import torch
+
+import lowbit as lb
+from lowbit import formats as F
+from lowbit.granularity import parse_granularity
+
+W8 = torch.tensor([[0.12, -0.50, 0.31, 0.90, -0.05, 0.00, 0.44, -0.27]])
+
+
+def test_worked_example_int4_symmetric():
+    qt = lb.quantize(W8, lb.Scheme(F.INT4, lb.CHANNEL))
+    assert qt.scale.item() == pytest.approx(0.9 / 7) and round(qt.scale.item(), 4) == 0.1286
+    assert qt.values().tolist() == [[1, -4, 2, 7, 0, 0, 3, -2]]
+    mse = ((lb.dequantize(qt) - W8) ** 2).mean().item()
+    assert round(mse, 5) == pytest.approx(1.09e-3, abs=5e-6)
+
+
+def test_worked_example_int4_asymmetric():
+    qt = lb.quantize(W8, lb.Scheme(F.UINT4, lb.CHANNEL, symmetric=False))
+    assert round(qt.scale.item(), 4) == 0.0933
+    assert qt.zero.item() == 5
+    assert qt.values().tolist() == [[6, 0, 8, 15, 4, 5, 10, 2]]
+    mse = ((lb.dequantize(qt) - W8) ** 2).mean().item()
+    assert mse == pytest.approx(0.82e-3, abs=5e-6)
+
+
+def test_worked_example_int8_step():
+    x = torch.tensor([[2.54, -1.0, 1.0]])
+    qt = lb.quantize(x, lb.Scheme(F.INT8, lb.TENSOR))
+    assert qt.scale.item() == pytest.approx(0.02)
+    assert qt.values()[0, 2].item() == 50
+
+
+def test_bits_per_element_worked_examples():
+    g64 = lb.Scheme(F.UINT4, lb.group(64), symmetric=False, scale_dtype="fp16")
+    assert lb.bits_per_element(g64) == 4 + 20 / 64 == 4.3125
+    assert lb.bits_per_element(lb.PRESETS["int4-g128"]) == 4.125
+    assert lb.bits_per_element(lb.PRESETS["mxfp4"]) == 4.25
+    assert lb.bits_per_element(lb.PRESETS["mxfp8"]) == 8.25
+    assert lb.bits_per_element(lb.PRESETS["nvfp4"]) == pytest.approx(4.5, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bits, gb",
+    [(16.0, 140), ("fp8-channel", 70), ("int4-g128", 36), ("mxfp4", 37), ("nvfp4", 39)],
+)
+def test_storage_for_70b_params(bits, gb):
+    # REFERENCE §1: BF16 ≈ 140 GB, FP8 ≈ 70 GB, INT4 g128 ≈ 36 GB, MXFP4 ≈ 37 GB, NVFP4 ≈ 39 GB
+    bpe = bits if isinstance(bits, float) else lb.bits_per_element(lb.PRESETS[bits], (8192, 8192))
+    assert round(70e9 * bpe / 8 / 1e9) == gb
+
+
+def test_ragged_group_has_ceil_scales():
+    x = torch.randn(4, 100)
+    s = lb.Scheme(F.INT4, lb.group(32))
+    qt = lb.quantize(x, s)
+    assert qt.scale.shape == (4, 4)
+    assert s.granularity.scale_shape((4, 100)) == (4, 4)
+    # the last (ragged) group's scale comes from its own 4 elements
+    assert qt.scale[0, 3].item() == pytest.approx(x[0, 96:].abs().max().item() / 7)
+    assert torch.equal(lb.fake_quantize(x, s), lb.dequantize(qt))
+
+
+def test_block_scale_shape():
+    x = torch.randn(300, 260)
+    qt = lb.quantize(x, lb.PRESETS["fp8-block"])
+    assert qt.scale.shape == (3, 3)
+    assert qt.scale[2, 2].item() == pytest.approx(x[256:, 256:].abs().max().item() / 448)
+
+
+def _nearest_grid_value(x, scale, zero, fmt):
+    """Brute force: the representable value (code−zero)·scale nearest to x."""
+    grid = (torch.tensor(fmt.finite, dtype=torch.float64) - zero) * scale
+    return grid[(x - grid).abs().argmin()]
+
+
+@pytest.mark.parametrize("name", ["int4-g128", "int4-g64-asym", "fp8-channel", "mxfp4", "nvfp4", "int8-tensor", "mxfp6"])
+def test_dequantize_is_nearest_representable_under_the_scale(name):
+    scheme = lb.PRESETS[name]
+    torch.manual_seed(0)
+    x = torch.randn(4, 256) * torch.tensor([[0.01], [1.0], [30.0], [1e-3]])
+    qt = lb.quantize(x, scheme)
+    y = lb.dequantize(qt, torch.float64)
+    eff = qt.scale.to(torch.float64)
+    if qt.global_scale is not None:
+        eff = eff * qt.global_scale.double()
+    rows, cols = x.shape
+    br, bc = scheme.granularity.block_shape(rows, cols)
+    for i in range(0, rows):
+        for j in range(0, cols, 7):  # a sample of positions
+            s = eff[i // br, j // bc].item()
+            z = 0.0 if qt.zero is None else qt.zero[i // br, j // bc].item()
+            want = _nearest_grid_value(x[i, j].double(), s, z, scheme.format)
+            assert abs(y[i, j].item() - want.item()) <= 1e-6 * abs(want.item()) + 1e-30 or \
+                abs(x[i, j].item() - y[i, j].item()) <= abs(x[i, j].item() - want.item()) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name", list(lb.PRESETS))
+def test_zero_stays_zero_and_zero_blocks_are_safe(name):
+    scheme = lb.PRESETS[name]
+    x = torch.randn(8, 256)
+    x[:, ::3] = 0.0
+    x[2] = 0.0  # an all-zero row: every block in it is all zero
+    y = lb.fake_quantize(x, scheme)
+    assert torch.all(y[x == 0] == 0)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y, lb.dequantize(lb.quantize(x, scheme)))
+    z = lb.fake_quantize(torch.zeros(4, 256), scheme)
+    assert torch.equal(z, torch.zeros(4, 256))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_input_is_refused(bad):
+    x = torch.randn(4, 64)
+    x[1, 5] = bad
+    with pytest.raises(lb.qtensor.NonFiniteError, match="1 of 256 elements are NaN or inf"):
+        lb.quantize(x, lb.PRESETS["int4-g64"])
+    with pytest.raises(lb.qtensor.NonFiniteError):
+        lb.fake_quantize(x, lb.PRESETS["nvfp4"])
+
+
+def test_mx_scale_follows_ocp_rule_and_round_up_option():
+    x = torch.zeros(1, 32)
+    x[0, 0] = 7.0  # floor(log2 7) = 2; emax(E2M1) = 2 -> scale 2^0; 7 clips to 6
+    qt = lb.quantize(x, lb.PRESETS["mxfp4"])
+    assert qt.scale.item() == 1.0 and lb.dequantize(qt)[0, 0].item() == 6.0
+    up = lb.Scheme(F.FP4_E2M1, lb.group(32), scale_dtype="e8m0", mx_round_up=True)
+    qt = lb.quantize(x, up)  # ceil(log2(7/6)) = 1 -> scale 2, 7/2 = 3.5 -> 4 (tie to even code) -> 8
+    assert qt.scale.item() == 2.0 and lb.dequantize(qt)[0, 0].item() == 8.0
+
+
+def test_nvfp4_scales_follow_reference():
+    torch.manual_seed(1)
+    x = torch.randn(2, 64)
+    qt = lb.quantize(x, lb.PRESETS["nvfp4"])
+    amax = x.abs().max()
+    assert qt.global_scale.item() == pytest.approx(amax.item() / (448 * 6))
+    blk = x.reshape(2, 4, 16).abs().amax(-1)
+    want = (blk / 6 * (1 / qt.global_scale)).to(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(qt.scale, want)
+    # the largest block scale uses the top of the FP8 range
+    assert qt.scale.max().item() == 448.0
+
+
+def test_scale_is_stored_rounded():
+    x = torch.randn(16, 128) * 3
+    qt = lb.quantize(x, lb.PRESETS["int4-g128"])  # bf16 scales
+    assert torch.equal(qt.scale, qt.scale.to(torch.bfloat16).float())
+
+
+def test_scheme_validation_errors():
+    with pytest.raises(ValueError, match="asymmetric quantization needs an integer format"):
+        lb.Scheme(F.FP8_E4M3, lb.CHANNEL, symmetric=False)
+    with pytest.raises(ValueError, match="scale format"):
+        lb.Scheme(F.E8M0, lb.CHANNEL)
+    with pytest.raises(ValueError, match="unknown scale_dtype"):
+        lb.Scheme(F.INT4, lb.CHANNEL, scale_dtype="fp64")
+    with pytest.raises(ValueError, match="group size must be a positive"):
+        lb.group(0)
+    with pytest.raises(KeyError, match="unknown scheme 'int3-g7'"):
+        lb.get_scheme("int3-g7")
+
+
+def test_scheme_from_dict_names_the_key_path():
+    from lowbit.scheme import scheme_from_dict
+
+    s = scheme_from_dict({"format": "int4", "granularity": "group:64", "scale_dtype": "bf16"}, "rules[0].weights")
+    assert s == lb.PRESETS["int4-g64"]
+    with pytest.raises(ValueError, match=r"rules\[0\].weights: unknown key\(s\) \['bitz'\]"):
+        scheme_from_dict({"format": "int4", "granularity": "channel", "bitz": 3}, "rules[0].weights")
+    with pytest.raises(ValueError, match=r"w.format: unknown format 'int9'"):
+        scheme_from_dict({"format": "int9", "granularity": "channel"}, "w")
+
+
+def test_parse_granularity():
+    assert parse_granularity("group(128)") == lb.group(128)
+    assert parse_granularity("block:128x128") == lb.block(128, 128)
+    assert parse_granularity("token") == lb.TOKEN
+    with pytest.raises(ValueError, match="unknown granularity"):
+        parse_granularity("row")
+
+
+def test_head_granularity_is_per_head():
+    k = torch.randn(2, 3, 10, 8)  # (batch, heads, seq, dim)
+    k[:, 1] *= 100
+    s = lb.Scheme(F.FP8_E4M3, lb.HEAD)
+    qt = lb.quantize(k, s)
+    assert qt.scale.shape == (3, 1)
+    assert qt.scale[1].item() == pytest.approx(k[:, 1].abs().max().item() / 448)
+    assert lb.dequantize(qt).shape == k.shape
+    assert torch.equal(lb.fake_quantize(k, s), lb.dequantize(qt))
+
+
+def test_static_qparams_are_used():
+    x = torch.randn(4, 64)
+    scheme = lb.PRESETS["fp8-tensor"]
+    qp = lb.QParams(scale=torch.tensor([[0.5 / 448]]))  # a calibrated range of 0.5
+    y = lb.fake_quantize(x, scheme, qp)
+    assert y.abs().max().item() == pytest.approx(0.5)
+
+
+def test_sqnr():
+    x = torch.randn(1000)
+    assert lb.sqnr(x, x) == math.inf
+    assert lb.sqnr(x, x * 1.1) == pytest.approx(20.0, abs=1e-4)
+    # 8-bit beats 4-bit by roughly 6 dB per bit
+    w = torch.randn(64, 512)
+    d = lb.sqnr(w, lb.fake_quantize(w, lb.PRESETS["int8-channel"])) - lb.sqnr(
+        w, lb.fake_quantize(w, lb.PRESETS["int4-channel"])
+    )
+    assert 20 < d < 28
