@@ -31,7 +31,8 @@ class MaxRate:
 
     Attributes:
         form: ``percentile`` or ``goodput``.
-        per_seed: the max rate found with each seed (req/s); 0 when even a trickle misses the SLO.
+        per_seed: the max rate found with each seed (req/s), at most ``bound``; 0 when even a
+            trickle misses the SLO.
         low, median, high: over seeds.
         bound: the closed-form upper bound used as the bracket's top.
         evaluations: simulations run.
@@ -108,7 +109,7 @@ def max_rate(
             evals += 1
             if not _meets(scenario.run(w.with_rate(lo)), slo, form):
                 lo = 0.0
-        found.append(lo)
+        found.append(min(lo, bound))  # a finite run can absorb a burst above the bound; it is not sustainable
     arr = np.asarray(found)
     return MaxRate(form=form, seeds=tuple(seeds), per_seed=tuple(float(x) for x in arr),
                    low=float(arr.min()), median=float(np.median(arr)), high=float(arr.max()),
