@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     f.set_defaults(func=cmd_formats)
+
+    from .sim.commands import register as register_sim
+
+    register_sim(sub)
     return p
 
 

@@ -1,0 +1,200 @@
+"""Perplexity, KL divergence and top-1 agreement against a reference, with confidence
+intervals.
+
+Evaluation streams window by window and never holds all logits.  The reference model's
+predictions are computed once per (model, windows) as a :class:`Reference` — for each
+predicted position its argmax, its NLL of the true token, and the log-probabilities of
+its ``k`` most likely tokens — and reused for every configuration.
+
+KL(P_ref ‖ P_quant) is computed over the reference's top-``k`` tokens plus one bucket
+for the rest of the vocabulary:  Σ_top p·(log p − log q) + p_rest·(log p_rest − log q_rest).
+That is the KL divergence of the two distributions coarsened to k + 1 outcomes, a lower
+bound of the full KL that is exact when ``k`` is the vocabulary size, and equal to zero
+when the two models agree.
+
+Confidence intervals are 95% percentile intervals of a bootstrap over windows (tokens
+within a window are correlated, windows much less so); Δ% is bootstrapped paired, with
+the same resampled windows for the model and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .progress import progress_bar
+from .runtime import Forward
+
+__all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "window_metrics"]
+
+DEFAULT_TOPK = 1024
+_REST_FLOOR = 1e-5
+
+
+@dataclass
+class Reference:
+    """The reference model's predictions on ``(n, seq)`` windows (``seq − 1`` predicted
+    positions each)."""
+
+    argmax: torch.Tensor  # (n, seq-1) int64
+    nll: torch.Tensor  # (n, seq-1) float32, NLL of the true next token
+    topk_ids: torch.Tensor  # (n, seq-1, k) int32, most likely first
+    topk_logprobs: torch.Tensor  # (n, seq-1, k) float32
+
+    @property
+    def k(self) -> int:
+        return self.topk_ids.shape[-1]
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in asdict(self).items()}, str(tmp))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Reference":
+        return cls(**load_file(str(path)))
+
+
+@dataclass(frozen=True)
+class Eval:
+    """One configuration's evaluation.  ``*_ci`` are 95% bootstrap intervals; KL and
+    top-1 fields are ``None`` without a reference."""
+
+    name: str
+    ppl: float
+    ppl_ci: tuple[float, float]
+    windows: int
+    tokens: int
+    seconds: float
+    delta_pct: float | None = None
+    delta_ci: tuple[float, float] | None = None
+    kl_mean: float | None = None
+    kl_ci: tuple[float, float] | None = None
+    kl_p99: float | None = None
+    top1: float | None = None
+    top1_ci: tuple[float, float] | None = None
+    kl_topk: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _logprobs(forward: Forward, ids: torch.Tensor) -> torch.Tensor:
+    logits = forward(ids)[0, :-1]  # (seq-1, V): position t predicts token t+1
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@torch.inference_mode()
+def reference_predictions(
+    forward: Forward, windows: torch.Tensor, k: int = DEFAULT_TOPK, *, progress: bool = True
+) -> Reference:
+    """Run the reference over ``windows`` and keep what evaluation needs."""
+    argmax, nll, ids_, lps = [], [], [], []
+    for i in progress_bar(range(len(windows)), "reference", enabled=progress):
+        ids = windows[i : i + 1]
+        lp = _logprobs(forward, ids)
+        kk = min(k, lp.shape[-1])
+        top = torch.topk(lp, kk, dim=-1)
+        argmax.append(lp.argmax(-1))
+        nll.append(-lp.gather(-1, ids[0, 1:, None]).squeeze(-1))
+        ids_.append(top.indices.to(torch.int32))
+        lps.append(top.values)
+    return Reference(torch.stack(argmax), torch.stack(nll), torch.stack(ids_), torch.stack(lps))
+
+
+def window_metrics(lp: torch.Tensor, targets: torch.Tensor, ref: Reference | None, w: int) -> dict[str, torch.Tensor]:
+    """Per-token NLL, and against reference window ``w``: KL and top-1 agreement.
+
+    ``lp``: (positions, V) log-probabilities of the evaluated model.
+    """
+    out = {"nll": -lp.gather(-1, targets[:, None]).squeeze(-1)}
+    if ref is not None:
+        rid = ref.topk_ids[w].long()
+        lp_ref = ref.topk_logprobs[w].double()
+        lq = lp.gather(-1, rid).double()
+        p = lp_ref.exp()
+        kl = (p * (lp_ref - lq)).sum(-1)
+        # the rest of the vocabulary as one outcome; below _REST_FLOOR its mass is fp32
+        # rounding noise of the stored log-probabilities (e.g. when k is the vocabulary)
+        p_rest = 1 - p.sum(-1)
+        q_rest = (1 - lq.exp().sum(-1)).clamp(min=1e-300)
+        real = p_rest > _REST_FLOOR
+        rest = torch.where(real, p_rest.clamp(min=1e-300) * (p_rest.clamp(min=1e-300).log() - q_rest.log()), 0.0)
+        out["kl"] = (kl + rest).clamp(min=0).float()
+        out["agree"] = (lp.argmax(-1) == ref.argmax[w]).float()
+    return out
+
+
+def _ci(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.percentile(samples, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@torch.inference_mode()
+def evaluate(
+    forward: Forward,
+    windows: torch.Tensor,
+    reference: Reference | None = None,
+    *,
+    name: str = "",
+    bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+) -> Eval:
+    """Evaluate ``forward`` on ``windows`` ``(n, seq)``, against ``reference`` if given.
+
+    Args:
+        forward: ``forward(ids (1, seq)) -> logits (1, seq, V)``.
+        windows: token windows; each predicts its last ``seq − 1`` tokens.
+        reference: the reference model's predictions on the same windows.
+        name: label for the result.
+        bootstrap: number of bootstrap resamples over windows.
+        seed: seed of the bootstrap.
+        progress: show a progress bar.
+    """
+    n = len(windows)
+    if reference is not None and reference.nll.shape[0] != n:
+        raise ValueError(f"reference covers {reference.nll.shape[0]} windows, evaluation has {n}")
+    t0 = time.perf_counter()
+    nll_w, kl_w, agree_w, kl_all = np.zeros(n), np.zeros(n), np.zeros(n), []
+    count = np.zeros(n)
+    for i in progress_bar(range(n), f"evaluating {name}".strip(), enabled=progress):
+        ids = windows[i : i + 1]
+        m = window_metrics(_logprobs(forward, ids), ids[0, 1:], reference, i)
+        nll_w[i] = float(m["nll"].double().sum())
+        count[i] = m["nll"].numel()
+        if reference is not None:
+            kl_w[i] = float(m["kl"].double().sum())
+            agree_w[i] = float(m["agree"].sum())
+            kl_all.append(m["kl"])
+    seconds = time.perf_counter() - t0
+    tokens = int(count.sum())
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(bootstrap, n))
+    cnt_b = count[idx].sum(1)
+    ppl = math.exp(nll_w.sum() / tokens)
+    res = dict(name=name, ppl=ppl, ppl_ci=_ci(np.exp(nll_w[idx].sum(1) / cnt_b)), windows=n, tokens=tokens, seconds=seconds)
+    if reference is not None:
+        ref_w = reference.nll.double().sum(-1).numpy()
+        ref_ppl = math.exp(ref_w.sum() / tokens)
+        ratio_b = np.exp((nll_w[idx].sum(1) - ref_w[idx].sum(1)) / cnt_b)
+        kl = torch.cat(kl_all)
+        res.update(
+            delta_pct=100 * (ppl / ref_ppl - 1),
+            delta_ci=tuple(100 * (v - 1) for v in _ci(ratio_b)),
+            kl_mean=float(kl_w.sum() / tokens),
+            kl_ci=_ci(kl_w[idx].sum(1) / cnt_b),
+            kl_p99=float(torch.quantile(kl.double(), 0.99)),
+            top1=float(agree_w.sum() / tokens),
+            top1_ci=_ci(agree_w[idx].sum(1) / cnt_b),
+            kl_topk=reference.k,
+        )
+    return Eval(**res)

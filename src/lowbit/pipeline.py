@@ -1,0 +1,132 @@
+"""``quantize(model, recipe, stats)``: the only code that changes a model.
+
+Weights are fake-quantized in place (the model keeps running in its float dtype, with
+weights that are exactly representable in the target scheme); the QTensor of each
+weight is kept on request for export.  Input and KV quantization are described in the
+returned :class:`~lowbit.runtime.QuantState` and applied by
+:func:`~lowbit.runtime.quantized_execution`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .calibrate import CalibStats
+from .kv import kv_plan
+from .models import arch_of, decoder_layers
+from .progress import progress_bar
+from .qtensor import NonFiniteError, QParams, compute_qparams, dequantize, fake_quantize, quantize as quantize_tensor
+from .recipe import Recipe
+from .runtime import ActQuant, QuantState
+from .scheme import Scheme
+
+__all__ = ["quantize", "sibling_groups"]
+
+log = logging.getLogger(__name__)
+
+
+def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Linears that read the same input and that runtimes fuse into one matmul (q/k/v,
+    gate/up): they must share an NVFP4 global scale."""
+    arch = arch_of(model)
+    prefix = arch.layers
+    groups = []
+    for i in range(len(decoder_layers(model))):
+        for b in arch.balances:
+            if len(b.next) > 1:
+                groups.append(tuple(f"{prefix}.{i}.{n}" for n in b.next))
+    return groups
+
+
+def _shared_global_scales(
+    modules: dict[str, nn.Module], plan: dict[str, tuple[Scheme | None, Scheme | None]], groups: list[tuple[str, ...]]
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for g in groups:
+        members = [n for n in g if n in plan and plan[n][0] is not None and plan[n][0].global_scale]
+        if len(members) < 2:
+            continue
+        schemes = {plan[n][0] for n in members}
+        if len(schemes) > 1:
+            continue  # different schemes on fused siblings: nothing to share
+        scheme = schemes.pop()
+        amax = torch.stack([modules[n].weight.detach().abs().max().float() for n in members]).max()
+        for n in members:
+            out[n] = scheme.global_scale_from_amax(amax)
+    return out
+
+
+def _act_quant(name: str, scheme: Scheme, stats: CalibStats | None) -> ActQuant:
+    if scheme.dynamic and not scheme.global_scale:
+        return ActQuant(scheme)
+    if stats is None or name not in stats.input_absmax:
+        raise ValueError(
+            f"the input scheme of {name} ({scheme}) needs calibrated scales; run with calibration data"
+        )
+    amax = stats.input_absmax[name].max().float()
+    if scheme.global_scale:
+        return ActQuant(scheme, global_scale=scheme.global_scale_from_amax(amax))
+    if scheme.granularity.kind != "tensor":
+        raise ValueError(
+            f"{name}: a static input scale needs tensor granularity, got {scheme.granularity}; "
+            "use a dynamic scheme (e.g. fp8-token) for finer granularity"
+        )
+    scale, zero = scheme.scales_from_range(-amax.reshape(1, 1), amax.reshape(1, 1))
+    return ActQuant(scheme, qparams=QParams(scale, zero))
+
+
+@torch.no_grad()
+def quantize(
+    model: nn.Module,
+    recipe: Recipe,
+    stats: CalibStats | None = None,
+    *,
+    keep_qtensors: bool = False,
+    progress: bool = True,
+) -> QuantState:
+    """Quantize ``model`` in place by round-to-nearest as ``recipe`` says.
+
+    Args:
+        model: a transformers causal LM of a known architecture (``lowbit.models``).
+        recipe: which modules get which schemes.
+        stats: calibration statistics, required when the recipe has static scales.
+        keep_qtensors: keep the :class:`QTensor` of every quantized weight (for export).
+        progress: show a progress bar.
+
+    Returns:
+        The :class:`QuantState` that :func:`~lowbit.runtime.quantized_execution` runs.
+    """
+    arch_of(model)  # unsupported architectures fail here, before any work
+    modules = dict(model.named_modules())
+    names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+    plan = recipe.resolve(names)
+    if recipe.needs_calibration and stats is None:
+        raise ValueError(f"recipe {recipe.name!r} has static (calibrated) scales; it needs calibration statistics")
+    shared = _shared_global_scales(modules, plan, sibling_groups(model))
+    state = QuantState(recipe)
+    for name in progress_bar(list(plan), f"quantizing ({recipe.name})", enabled=progress):
+        wscheme, ischeme = plan[name]
+        mod = modules[name]
+        if wscheme is not None:
+            w = mod.weight.detach()
+            try:
+                qp = compute_qparams(w, wscheme, shared.get(name))
+            except NonFiniteError as e:
+                raise NonFiniteError(f"weight of {name}: {e}") from None
+            if keep_qtensors:
+                qt = quantize_tensor(w, wscheme, qp)
+                state.weights[name] = qt
+                new = dequantize(qt, w.dtype)
+            else:
+                new = fake_quantize(w, wscheme, qp)
+            mod.weight.copy_(new)
+            state.weight_schemes[name] = wscheme
+        if ischeme is not None:
+            state.activations[name] = _act_quant(name, ischeme, stats)
+    if recipe.kv_cache is not None:
+        state.kv = kv_plan(recipe.kv_cache, stats.k_absmax if stats else {}, stats.v_absmax if stats else {})
+    log.info("quantized %d weights, %d inputs with %s", len(state.weight_schemes), len(state.activations), recipe.name)
+    return state

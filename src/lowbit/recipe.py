@@ -1,0 +1,267 @@
+"""Recipes: which modules get which weight and input scheme, and how the KV cache is stored.
+
+A recipe is data.  In YAML::
+
+    name: w4a16-mixed
+    weights: int4-g128          # shorthand for a first rule with targets ["*"]
+    rules:                      # later rules win over earlier ones
+      - targets: ["*.mlp.down_proj"]
+        weights: int8-channel
+        inputs: null            # this rule quantizes no inputs
+    ignore: [lm_head]           # never quantized (default: lm_head, MoE routers)
+    kv_cache:
+      scheme: fp8-tensor        # a preset or {format, granularity, ...}
+      keys: true
+      values: true
+
+Schemes are preset names (``lowbit.scheme.PRESETS``) or mappings with the keys of
+``Scheme.to_dict()``.  Unknown keys are errors that name their path
+(``rules[1].weights.bitz``).  Targets are shell-style globs over module names
+(``model.layers.3.self_attn.q_proj``); only ``nn.Linear`` modules are quantized.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .scheme import Scheme, scheme_from_dict
+
+__all__ = ["Rule", "KVConfig", "Recipe", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
+
+#: lm_head (vLLM cannot load a quantized one) and MoE routers stay in high precision
+DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*router*")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules matching any of ``targets`` get ``weights`` and ``inputs`` (``None``: left
+    in high precision)."""
+
+    targets: tuple[str, ...]
+    weights: Scheme | None = None
+    inputs: Scheme | None = None
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, t) for t in self.targets)
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """KV-cache quantization at the cache write (keys after RoPE and QK-norm).
+
+    ``scheme.granularity``: ``tensor`` (one scale per layer), ``head`` (per KV head),
+    ``token`` (per head and token, over the head dim) or ``channel`` (per head and
+    channel, over the tokens — KIVI's key layout).  Static schemes (``dynamic: false``)
+    take their scales from calibration; only ``tensor`` and ``head`` can be static.
+    """
+
+    scheme: Scheme
+    keys: bool = True
+    values: bool = True
+    value_scheme: Scheme | None = None  # a different scheme for values (KIVI: per-token values)
+
+    def __post_init__(self) -> None:
+        if not (self.keys or self.values):
+            raise ValueError("at least one of keys / values must be quantized")
+        for s in (self.scheme, self.value_scheme):
+            if s is None:
+                continue
+            if s.granularity.kind not in ("tensor", "head", "token", "channel"):
+                raise ValueError(f"granularity {s.granularity} is not one of tensor, head, token, channel")
+            if not s.dynamic and s.granularity.kind not in ("tensor", "head"):
+                raise ValueError(f"a static (calibrated) scale needs tensor or head granularity, got {s.granularity}")
+            if s.global_scale:
+                raise ValueError("two-level (global-scale) schemes are not supported for the KV cache")
+
+    @property
+    def v_scheme(self) -> Scheme:
+        return self.value_scheme or self.scheme
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    rules: tuple[Rule, ...] = ()
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    kv_cache: KVConfig | None = None
+    description: str = ""
+    algorithms: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def resolve(self, names: list[str]) -> dict[str, tuple[Scheme | None, Scheme | None]]:
+        """For each module name that some rule quantizes: ``(weight scheme, input scheme)``.
+        The last matching rule wins; ignored names are left out."""
+        out = {}
+        for n in names:
+            if any(fnmatch.fnmatchcase(n, p) for p in self.ignore):
+                continue
+            hit = None
+            for r in self.rules:
+                if r.matches(n):
+                    hit = r
+            if hit is not None and (hit.weights is not None or hit.inputs is not None):
+                out[n] = (hit.weights, hit.inputs)
+        return out
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when some scale comes from calibration data (static inputs, global input
+        scales, static KV)."""
+        static_in = any(r.inputs is not None and (not r.inputs.dynamic or r.inputs.global_scale) for r in self.rules)
+        static_kv = self.kv_cache is not None and (
+            not self.kv_cache.scheme.dynamic or not self.kv_cache.v_scheme.dynamic
+        )
+        return static_in or static_kv
+
+    def summary(self) -> str:
+        parts = []
+        for r in self.rules:
+            w = str(r.weights) if r.weights else "-"
+            i = str(r.inputs) if r.inputs else "-"
+            parts.append(f"{','.join(r.targets)}: W[{w}] A[{i}]")
+        if self.kv_cache:
+            kv = self.kv_cache
+            which = "K+V" if kv.keys and kv.values else ("K" if kv.keys else "V")
+            parts.append(f"KV {which}[{kv.scheme}]")
+        return "; ".join(parts) or "(nothing quantized)"
+
+
+# -- parsing -------------------------------------------------------------------------
+
+_TOP_KEYS = {"name", "description", "weights", "inputs", "rules", "ignore", "kv_cache", "algorithms"}
+_RULE_KEYS = {"targets", "weights", "inputs"}
+_KV_KEYS = {"scheme", "keys", "values", "value_scheme"}
+
+
+def _check_keys(d: dict, allowed: set[str], where: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _opt_scheme(v, where: str) -> Scheme | None:
+    return None if v is None else scheme_from_dict(v, where)
+
+
+def _str_list(v, where: str) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"{where}: expected a list of glob strings")
+    return tuple(v)
+
+
+def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
+    """Build a recipe from parsed YAML, naming the key path of any error."""
+    _check_keys(d, _TOP_KEYS, where)
+    rules = []
+    if "weights" in d or "inputs" in d:
+        rules.append(
+            Rule(("*",), _opt_scheme(d.get("weights"), f"{where}.weights"), _opt_scheme(d.get("inputs"), f"{where}.inputs"))
+        )
+    for i, r in enumerate(d.get("rules") or []):
+        w = f"{where}.rules[{i}]"
+        _check_keys(r, _RULE_KEYS, w)
+        if "targets" not in r:
+            raise ValueError(f"{w}.targets: required")
+        rules.append(
+            Rule(_str_list(r["targets"], f"{w}.targets"), _opt_scheme(r.get("weights"), f"{w}.weights"),
+                 _opt_scheme(r.get("inputs"), f"{w}.inputs"))
+        )
+    kv = None
+    if d.get("kv_cache") is not None:
+        k = d["kv_cache"]
+        w = f"{where}.kv_cache"
+        _check_keys(k, _KV_KEYS, w)
+        if "scheme" not in k:
+            raise ValueError(f"{w}.scheme: required")
+        try:
+            kv = KVConfig(
+                scheme_from_dict(k["scheme"], f"{w}.scheme"),
+                keys=bool(k.get("keys", True)),
+                values=bool(k.get("values", True)),
+                value_scheme=_opt_scheme(k.get("value_scheme"), f"{w}.value_scheme"),
+            )
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith(where) else f"{w}: {e}") from None
+    algorithms = d.get("algorithms") or {}
+    if algorithms:
+        raise ValueError(
+            f"{where}.algorithms: calibration algorithms (GPTQ, AWQ, SmoothQuant, rotations) are not implemented yet; "
+            "this version quantizes by round-to-nearest only"
+        )
+    return Recipe(
+        name=str(d.get("name", "custom")),
+        rules=tuple(rules),
+        ignore=_str_list(d["ignore"], f"{where}.ignore") if "ignore" in d else DEFAULT_IGNORE,
+        kv_cache=kv,
+        description=str(d.get("description", "")),
+    )
+
+
+def _preset(name: str, description: str, weights=None, inputs=None, kv=None) -> Recipe:
+    d = {"name": name, "description": description}
+    if weights or inputs:
+        d["weights"], d["inputs"] = weights, inputs
+    if kv:
+        d["kv_cache"] = kv
+    return recipe_from_dict(d, f"preset {name}")
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        _preset("fp8-tensor", "W8A8 FP8, per-tensor weights, static per-tensor activations", "fp8-tensor", "fp8-tensor"),
+        _preset("fp8-dynamic", "W8A8 FP8, per-channel weights, dynamic per-token activations", "fp8-channel", "fp8-token"),
+        _preset("fp8-block", "W8A8 FP8, 128×128 weight blocks, dynamic 1×128 activation groups", "fp8-block", "fp8-group128"),
+        _preset("w8a8-int8", "W8A8 INT8, per-channel weights, dynamic per-token activations", "int8-channel", "int8-token"),
+        _preset("w8a8-int8-static", "W8A8 INT8, per-channel weights, static per-tensor activations", "int8-channel", "int8-tensor"),
+        _preset("w8a16-int8", "W8A16 INT8 per-channel weights", "int8-channel"),
+        _preset("w4a16-int4-g128", "W4A16 INT4, groups of 128", "int4-g128"),
+        _preset("w4a16-int4-g128-asym", "W4A16 INT4 asymmetric, groups of 128", "int4-g128-asym"),
+        _preset("w4a16-int4-g64", "W4A16 INT4, groups of 64", "int4-g64"),
+        _preset("w4a16-int4-g64-asym", "W4A16 INT4 asymmetric, groups of 64", "int4-g64-asym"),
+        _preset("w4a16-int4-channel", "W4A16 INT4, per-channel", "int4-channel"),
+        _preset("w4a16-int4-tensor", "W4A16 INT4, one scale per tensor", "int4-tensor"),
+        _preset("w4a16-mxfp4", "W4A16 MXFP4 (E2M1, blocks of 32, E8M0 scales)", "mxfp4"),
+        _preset("w4a16-nvfp4", "W4A16 NVFP4 (E2M1, blocks of 16, FP8 scales, global scale)", "nvfp4"),
+        _preset("mxfp4", "W4A4 MXFP4 weights and activations", "mxfp4", "mxfp4"),
+        _preset("nvfp4", "W4A4 NVFP4 weights and activations (calibrated activation global scale)", "nvfp4", "nvfp4"),
+        _preset("kv-fp8", "KV cache FP8, calibrated per-tensor scales", kv={"scheme": "fp8-tensor"}),
+        _preset("kv-fp8-k", "KV cache FP8, keys only", kv={"scheme": "fp8-tensor", "values": False}),
+        _preset("kv-fp8-v", "KV cache FP8, values only", kv={"scheme": "fp8-tensor", "keys": False}),
+        _preset("kv-fp8-head", "KV cache FP8, calibrated per-head scales",
+                kv={"scheme": {"format": "fp8_e4m3", "granularity": "head"}}),
+        _preset("kv-int4-kivi", "KV cache INT4 asymmetric: keys per channel, values per token (KIVI)",
+                kv={"scheme": {"format": "uint4", "granularity": "channel", "symmetric": False, "dynamic": True,
+                               "scale_dtype": "fp16"},
+                    "value_scheme": {"format": "uint4", "granularity": "token", "symmetric": False, "dynamic": True,
+                                     "scale_dtype": "fp16"}}),
+    )
+}
+
+#: the deployment notebook's experiment, the default of ``lowbit compare``
+COMPARE_DEFAULT: tuple[str, ...] = (
+    "fp8-tensor", "fp8-dynamic", "fp8-block", "w4a16-int4-g128", "w4a16-mxfp4", "w4a16-nvfp4", "kv-fp8",
+)
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A preset by name, or a YAML file."""
+    if str(name_or_path) in RECIPES:
+        return RECIPES[str(name_or_path)]
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise FileNotFoundError(f"recipe file {p} does not exist")
+        try:
+            d = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: not valid YAML: {e}") from None
+        return recipe_from_dict(d or {}, str(p))
+    raise ValueError(f"unknown recipe {str(name_or_path)!r}: not a preset ({', '.join(RECIPES)}) and not a YAML file")

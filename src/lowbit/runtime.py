@@ -1,0 +1,102 @@
+"""Running a quantized model: activation quantization at each Linear's input, KV
+quantization at the cache write.
+
+``with quantized_execution(model, state) as forward:`` installs forward pre-hooks on the
+Linears whose inputs are quantized and yields ``forward(input_ids) -> logits``; the hooks
+are removed when the block ends, also after an exception.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .kv import KVPlan, cache_kwarg, make_cache
+from .qtensor import QParams, QTensor, compute_qparams, fake_quantize
+from .recipe import Recipe
+from .scheme import Scheme
+
+__all__ = ["ActQuant", "QuantState", "quantized_activations", "quantized_execution", "Forward"]
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ActQuant:
+    """How one Linear's input is quantized: dynamic scales computed per call, or static
+    ``qparams`` from calibration; a two-level scheme keeps a calibrated global scale."""
+
+    scheme: Scheme
+    qparams: QParams | None = None
+    global_scale: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qparams is not None:
+            return fake_quantize(x, self.scheme, self.qparams)
+        if self.global_scale is not None:
+            return fake_quantize(x, self.scheme, compute_qparams(x, self.scheme, self.global_scale))
+        return fake_quantize(x, self.scheme)
+
+
+@dataclass
+class QuantState:
+    """What ``pipeline.quantize`` did to a model: the QTensor of each quantized weight
+    (when kept), how each Linear's input is quantized, and the KV plan."""
+
+    recipe: Recipe
+    weights: dict[str, QTensor] = field(default_factory=dict)
+    weight_schemes: dict[str, Scheme] = field(default_factory=dict)
+    activations: dict[str, ActQuant] = field(default_factory=dict)
+    kv: KVPlan | None = None
+
+
+@contextmanager
+def quantized_activations(model: nn.Module, plan: dict[str, ActQuant]) -> Iterator[None]:
+    """Quantize the input of each named Linear while the block runs."""
+    modules = dict(model.named_modules())
+    missing = [n for n in plan if n not in modules]
+    if missing:
+        raise KeyError(f"activation plan names modules the model does not have: {missing[:5]}")
+    handles = []
+    try:
+        for name, aq in plan.items():
+            handles.append(modules[name].register_forward_pre_hook(_pre_hook(aq)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _pre_hook(aq: ActQuant):
+    def hook(module, args):
+        return (aq(args[0]),) + tuple(args[1:])
+
+    return hook
+
+
+def plain_forward(model: nn.Module, kv: KVPlan | None = None) -> Forward:
+    """``forward(input_ids) -> logits`` for a batch of token windows."""
+    kw = cache_kwarg(model)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        if kv is None:
+            return model(input_ids=ids, use_cache=False).logits
+        cache = make_cache(model.config, kv.on_write)
+        return model(input_ids=ids, use_cache=True, **{kw: cache}).logits
+
+    return forward
+
+
+@contextmanager
+def quantized_execution(model: nn.Module, state: QuantState | None) -> Iterator[Forward]:
+    """Yield a forward function that runs ``model`` with the activation and KV
+    quantization of ``state`` (weights are already quantized in place)."""
+    if state is None:
+        yield plain_forward(model)
+        return
+    with quantized_activations(model, state.activations):
+        yield plain_forward(model, state.kv)

@@ -1,0 +1,85 @@
+"""Recipes: parsing, strict keys with paths, last-match-wins rules, presets."""
+
+import pytest
+import yaml
+
+import lowbit as lb
+from lowbit.recipe import RECIPES, COMPARE_DEFAULT, load_recipe, recipe_from_dict
+
+NAMES = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.mlp.down_proj",
+    "model.layers.1.mlp.down_proj",
+    "model.layers.0.mlp.gate",  # a MoE router
+    "lm_head",
+]
+
+
+def test_last_match_wins_and_ignore():
+    r = recipe_from_dict({
+        "weights": "int4-g128",
+        "rules": [
+            {"targets": ["*.down_proj"], "weights": "int8-channel", "inputs": "int8-token"},
+            {"targets": ["model.layers.1.*"], "weights": None},
+        ],
+    })
+    plan = r.resolve(NAMES)
+    assert plan["model.layers.0.self_attn.q_proj"] == (lb.PRESETS["int4-g128"], None)
+    assert plan["model.layers.0.mlp.down_proj"] == (lb.PRESETS["int8-channel"], lb.PRESETS["int8-token"])
+    assert "model.layers.1.mlp.down_proj" not in plan  # the last rule leaves it alone
+    assert "lm_head" not in plan and "model.layers.0.mlp.gate" not in plan  # default ignore
+
+
+def test_custom_ignore_replaces_default():
+    r = recipe_from_dict({"weights": "int8-channel", "ignore": ["*.q_proj"]})
+    plan = r.resolve(NAMES)
+    assert "lm_head" in plan and "model.layers.0.self_attn.q_proj" not in plan
+
+
+@pytest.mark.parametrize(
+    "d, path",
+    [
+        ({"wieghts": "int4-g128"}, r"recipe: unknown key\(s\) \['wieghts'\]"),
+        ({"rules": [{"targets": ["*"], "weights": {"format": "int4", "granularity": "channel", "bitz": 4}}]},
+         r"recipe.rules\[0\].weights: unknown key\(s\) \['bitz'\]"),
+        ({"rules": [{"weights": "int4-g128"}]}, r"recipe.rules\[0\].targets: required"),
+        ({"rules": [{"targets": ["*"], "weights": "int3-g7"}]}, r"recipe.rules\[0\].weights: unknown scheme 'int3-g7'"),
+        ({"kv_cache": {"scheme": "fp8-tensor", "keyz": True}}, r"recipe.kv_cache: unknown key\(s\) \['keyz'\]"),
+        ({"kv_cache": {"scheme": "fp8-tensor", "keys": False, "values": False}}, r"recipe.kv_cache: at least one"),
+        ({"weights": {"format": "fp8_e4m3", "granularity": "channel", "symmetric": False}},
+         r"recipe.weights: asymmetric quantization needs an integer format"),
+        ({"algorithms": {"gptq": {}}}, r"recipe.algorithms: calibration algorithms .* not implemented"),
+    ],
+)
+def test_errors_name_the_key_path(d, path):
+    with pytest.raises(ValueError, match=path):
+        recipe_from_dict(d)
+
+
+def test_yaml_file_roundtrip(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump({"name": "mine", "weights": "nvfp4", "inputs": "nvfp4", "kv_cache": {"scheme": "fp8-tensor"}}))
+    r = load_recipe(p)
+    assert r.name == "mine" and r.kv_cache.scheme == lb.PRESETS["fp8-tensor"]
+    assert r.needs_calibration  # static KV scales and the NVFP4 input global scale
+    with pytest.raises(FileNotFoundError):
+        load_recipe(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="unknown recipe 'nope'"):
+        load_recipe("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("weights: [unclosed")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_presets_are_valid_and_compare_default_exists():
+    for name in COMPARE_DEFAULT:
+        assert name in RECIPES
+    assert not RECIPES["fp8-dynamic"].needs_calibration
+    assert RECIPES["fp8-tensor"].needs_calibration
+    assert RECIPES["kv-fp8-k"].kv_cache.values is False
+
+
+def test_static_kv_needs_tensor_or_head():
+    with pytest.raises(ValueError, match="static .* needs tensor or head"):
+        recipe_from_dict({"kv_cache": {"scheme": {"format": "fp8_e4m3", "granularity": "token"}}})
