@@ -379,6 +379,43 @@ def test_gguf_converts_once_to_an_equivalent_hf_folder(tiny_gguf, tmp_path, monk
     assert load_model(str(tiny_gguf), cache=tmp_path)[2].path == folder
 
 
+@pytest.mark.parametrize("assembled", [False, True])
+def test_fetch_model_locates_checks_converts_once(tiny_gguf, tmp_path, monkeypatch, assembled):
+    """A stand-in package: ships the GGUF itself, or joins it with assemble(path, overwrite)."""
+    package = f"lowbit_test_pkg_{int(assembled)}"
+    pkg_dir = tmp_path / "site" / package
+    pkg_dir.mkdir(parents=True)
+    if assembled:
+        (pkg_dir / "__init__.py").write_text(
+            "import shutil\n"
+            "def assemble(path, overwrite=False):\n"
+            f"    shutil.copyfile({str(tiny_gguf)!r}, path)\n"
+            "    return path\n")
+    else:
+        (pkg_dir / "__init__.py").write_text("raise ImportError('never imported')\n")
+        (pkg_dir / "tiny.gguf").write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    blob = tiny_gguf.read_bytes()
+    asset = ModelAsset("tiny", "tiny-pkg==1", package, "tiny.gguf", hashlib.sha256(blob).hexdigest(),
+                       len(blob), needs_bos=False, license="test", note="a tiny test model",
+                       assembled=assembled)
+    monkeypatch.setitem(MODEL_ASSETS, "tiny", asset)
+    folder = fetch("tiny", tmp_path / "cache", install=False)
+    assert folder == tmp_path / "cache" / "models" / "tiny"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "lowbit-asset.json"} <= {
+        p.name for p in folder.iterdir()}
+    assert (tmp_path / "cache" / "gguf" / "tiny.gguf").exists() is assembled
+    model, _, info = load_model("tiny", cache=tmp_path / "cache")
+    assert info == assets.ModelInfo("tiny", folder, False, "a tiny test model")
+
+    monkeypatch.setattr(assets, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert fetch("tiny", tmp_path / "cache", install=False) == folder
+    monkeypatch.setitem(MODEL_ASSETS, "tiny", dataclasses.replace(asset, sha256="0" * 64))
+    with pytest.raises(ValueError, match="sha256"):
+        fetch("tiny", tmp_path / "cache2", install=False)
+    assert not (tmp_path / "cache2" / "models" / "tiny").exists()
+
+
 def _tiny_folder(tmp_path: Path, config, add_bos: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 

@@ -252,9 +252,10 @@ def _locate_gguf(asset: ModelAsset, cache: Path, install: bool) -> Path:
             raise _missing(asset.name, f"{path} is missing from {asset.requirement}")
         return path
     target = cache / "gguf" / asset.gguf_file
-    if target.is_file() and target.stat().st_size == asset.size:
-        return target  # checked by the caller; a bad file raises there
+    if target.is_file() and target.stat().st_size == asset.size and _sha256(target) == asset.sha256:
+        return target
     partial = target.with_name(target.name + ".part")
+    partial.parent.mkdir(parents=True, exist_ok=True)
     importlib.import_module(asset.package).assemble(partial, overwrite=True)  # checks sha256
     os.replace(partial, target)
     return target
