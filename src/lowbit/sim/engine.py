@@ -18,6 +18,7 @@ indexed by request, so the per-step cost does not grow with the number of reques
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -29,7 +30,45 @@ from .metrics import SimResult
 from .perf import StepModel
 from .workload import Requests
 
-__all__ = ["EngineConfig", "simulate"]
+__all__ = ["EngineConfig", "StopRule", "simulate"]
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a run's SLO is certainly lost, so that the run can stop early.
+
+    Attributes:
+        ttft, tpot: targets in seconds (``None``: not checked).
+        percentile: the percentile form's q (p-q of each metric within target), or ``None``
+            for the goodput form (at least ``attainment`` of requests meet every target).
+        attainment: the goodput form's fraction.
+    """
+
+    ttft: float | None
+    tpot: float | None
+    percentile: float | None = 99.0
+    attainment: float = 0.99
+
+    def limits(self, n: int, n_tpot: int) -> tuple[float, float, float]:
+        """Counts of TTFT misses, TPOT misses and bad requests that lose the SLO in a run of ``n``
+        requests (``n_tpot`` of them with a TPOT, i.e. more than one output token).
+
+        Percentile form: with ``m − floor((m − 1)·q/100)`` of ``m`` values above the target, the
+        order statistic ``np.percentile`` interpolates from is already above it.  Goodput form:
+        ``k`` bad requests leave fewer than ``attainment·n`` good ones.
+        """
+        inf = math.inf
+        if self.percentile is None:
+            k = max(1, math.floor(n * (1 - self.attainment)))
+            while (n - k) / n >= self.attainment:
+                k += 1
+            while k > 1 and (n - (k - 1)) / n < self.attainment:
+                k -= 1
+            return inf, inf, float(k)
+        q = self.percentile
+        k_ttft = n - math.floor((n - 1) * q / 100) if self.ttft is not None else inf
+        k_tpot = n_tpot - math.floor((n_tpot - 1) * q / 100) if self.tpot is not None and n_tpot else inf
+        return float(k_ttft), float(k_tpot), inf
 
 
 @dataclass(frozen=True)
@@ -74,10 +113,14 @@ class EngineConfig:
 
 
 def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: EngineConfig,
-             max_steps: int = 50_000_000, fast_forward: bool = True) -> SimResult:
+             max_steps: int = 50_000_000, fast_forward: bool = True,
+             stop: StopRule | None = None) -> SimResult:
     """Run ``requests`` through the scheduler; ``kv_tokens`` is the KV capacity (tokens per replica).
 
     ``fast_forward`` runs decode-only stretches in one go (same result, fewer Python steps).
+    ``stop`` (a :class:`StopRule`) ends the run as soon as enough requests missed their TTFT or
+    TPOT target that the SLO is certainly lost (the result is then marked ``stopped_early``,
+    with NaN for what did not happen); the max-rate search uses it to abandon hopeless probes.
 
     Raises ``ValueError`` when a request can never fit in the KV cache.
     """
@@ -119,6 +162,14 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
     itl_chunks: list[np.ndarray] = []
     max_tok, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
     empty = np.zeros(0, dtype=np.int64)
+    if stop is not None:
+        ttft_t = stop.ttft if stop.ttft is not None else math.inf
+        tpot_t = stop.tpot if stop.tpot is not None else math.inf
+        bad = np.zeros(n, dtype=bool)      # goodput form: requests that missed any target
+        late_ttft = late_tpot = 0
+        k_ttft, k_tpot, k_bad = stop.limits(n, int(np.count_nonzero(output > 1)))
+        goodput = stop.percentile is None
+    stopped = False
 
     for _ in range(max_steps):
         if done == n:
@@ -148,6 +199,11 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
                 fin = ids[generated[ids] >= output[ids]]
                 if len(fin):
                     finish[fin] = now
+                    if stop is not None:
+                        late_tpot += _tpot_misses(fin, now, first, output, tpot_t, bad)
+                        if late_ttft >= k_ttft or late_tpot >= k_tpot or (goodput and int(bad.sum()) >= k_bad):
+                            stopped = True
+                            break
                     free += int(blocks[fin].sum())
                     blocks[fin] = 0
                     done += len(fin)
@@ -227,11 +283,25 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
             later = em[g > 1]
             if len(later):
                 itl_chunks.append(now - last_emit[later])
-            first[em[g == 1]] = now
+            firsts = em[g == 1]
+            first[firsts] = now
+            if stop is not None and len(firsts):
+                miss = firsts[now - arrival[firsts] > ttft_t]
+                if len(miss):
+                    late_ttft += len(miss)
+                    bad[miss] = True
+                    if late_ttft >= k_ttft or (goodput and int(bad.sum()) >= k_bad):
+                        stopped = True
+                        break
             last_emit[em] = now
             fin = em[g >= output[em]]
             if len(fin):
                 finish[fin] = now
+                if stop is not None:
+                    late_tpot += _tpot_misses(fin, now, first, output, tpot_t, bad)
+                    if late_ttft >= k_ttft or late_tpot >= k_tpot or (goodput and int(bad.sum()) >= k_bad):
+                        stopped = True
+                        break
                 free += int(blocks[fin].sum())
                 blocks[fin] = 0
                 done += len(fin)
@@ -245,7 +315,19 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
         preemptions=preempts,
         itl=np.concatenate(itl_chunks) if itl_chunks else np.zeros(0),
         step_end=np.asarray(step_end), step_tokens=np.asarray(step_tokens, dtype=np.int64),
+        stopped_early=stopped,
     )
+
+
+def _tpot_misses(fin, now, first, output, target, bad) -> int:
+    """Finished requests ``fin`` whose TPOT (as :attr:`SimResult.tpot` computes it) exceeds ``target``."""
+    o = output[fin]
+    multi = fin[o > 1]
+    if not len(multi) or math.isinf(target):
+        return 0
+    miss = multi[(now - first[multi]) / (output[multi] - 1) > target]
+    bad[miss] = True
+    return len(miss)
 
 
 def _fast_forward(running, nxt, arrival, now, computed, known, generated, output, blocks, free, bs, step):

@@ -93,6 +93,9 @@ class SimResult:
         preemptions: times each request was preempted (recomputed).
         itl: every inter-token gap of every request.
         step_end, step_tokens: end time and tokens computed of each engine step.
+        stopped_early: the run was abandoned once its TTFT target was surely missed
+            (``simulate(stop_ttft=...)``); times of what did not happen are NaN and both SLO
+            checks fail.
     """
 
     arrival: np.ndarray
@@ -104,6 +107,7 @@ class SimResult:
     itl: np.ndarray
     step_end: np.ndarray
     step_tokens: np.ndarray
+    stopped_early: bool = False
 
     @property
     def ttft(self) -> np.ndarray:
@@ -145,6 +149,8 @@ class SimResult:
 
     def meets_percentile(self, slo: SLO) -> bool:
         """The percentile form: each targeted metric's p{percentile} is within its target."""
+        if self.stopped_early:
+            return False
         q = slo.percentile
         checks = [(slo.ttft, self.ttft), (slo.tpot, self.tpot), (slo.e2e, self.e2e)]
         for target, x in checks:
@@ -157,4 +163,6 @@ class SimResult:
 
     def meets_goodput(self, slo: SLO) -> bool:
         """The goodput form: at least ``slo.attainment`` of requests meet every target."""
+        if self.stopped_early:
+            return False
         return float(self.good(slo).mean()) >= slo.attainment

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .engine import EngineConfig, simulate
+from .engine import EngineConfig, StopRule, simulate
 from .hardware import GPU, Kernels
 from .memory import MemoryReport, memory_report
 from .metrics import SimResult
@@ -61,6 +61,6 @@ class Scenario:
             )
         return mem.kv_capacity_tokens
 
-    def run(self, workload: Workload) -> SimResult:
-        """Simulate ``workload`` (its requests drawn from its seed)."""
-        return simulate(workload.sample(), self.step, self.capacity_tokens, self.engine)
+    def run(self, workload: Workload, stop: StopRule | None = None) -> SimResult:
+        """Simulate ``workload`` (its requests drawn from its seed); ``stop`` as in :func:`simulate`."""
+        return simulate(workload.sample(), self.step, self.capacity_tokens, self.engine, stop=stop)

@@ -7,7 +7,7 @@ cheapest per-request work at the largest batch it can hold,
 
 with t_prefill_token the per-token time of a full-budget prefill step and B* = min(max_num_seqs,
 KV capacity ÷ (prompt + output)).  Below it, the SLO check is monotone enough in the rate
-for bisection in log space.  Each seed draws its own arrivals and lengths (common random
+for a bracketing search and bisection in log space (see :func:`max_rate`).  Each seed draws its own arrivals and lengths (common random
 numbers across rates), and the answer is reported as a range over seeds.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .engine import StopRule
 from .metrics import SLO, SimResult
 from .scenario import Scenario
 from .workload import Workload
@@ -74,8 +75,17 @@ def max_rate(
     form: str = "percentile",
     seeds: tuple[int, ...] = (0, 1, 2),
     rel_tol: float = 0.02,
+    early_stop: bool = True,
 ) -> MaxRate:
-    """Bisect the rate of ``workload`` (its ``rate`` is ignored) for the highest that meets ``slo``.
+    """The highest rate of ``workload`` (its ``rate`` is ignored) that meets ``slo``, per seed.
+
+    Per seed: a first probe at a guess (0.85 × the closed-form bound, or the median of the
+    seeds already searched), then steps of ×1.1 (squared at each further step) up or down
+    until a passing and a failing rate bracket the answer, then bisection in log space until
+    ``hi / lo ≤ 1 + rel_tol``.  The answer ``lo`` is always a simulated rate that met the SLO
+    (0 when even ``bound / 64`` does not) and ``hi`` one that missed it, or ``1.05 × bound``,
+    which is never simulated: a rate above the bound is not reported (a finite run can absorb
+    a burst it could not sustain).
 
     Args:
         scenario: model, plan, GPU and engine.
@@ -85,6 +95,9 @@ def max_rate(
             (at least ``slo.attainment`` of requests meet every target).
         seeds: one search per seed.
         rel_tol: stop when the bracket is narrower than this fraction.
+        early_stop: abandon a probe once enough requests missed the TTFT or TPOT target that
+            the SLO is certainly lost (:class:`~lowbit.sim.engine.StopRule`); the pass/fail
+            answer of every probe is unchanged.
     """
     if form not in ("percentile", "goodput"):
         raise ValueError(f"SLO form must be 'percentile' or 'goodput', got {form!r}")
@@ -93,23 +106,52 @@ def max_rate(
     if not 0 < rel_tol < 1:
         raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
     bound = saturation_bound(scenario, workload)
-    found, evals = [], 0
+    stop = None
+    if early_stop and (slo.ttft is not None or slo.tpot is not None):
+        stop = StopRule(slo.ttft, slo.tpot, slo.percentile if form == "percentile" else None, slo.attainment)
+    found: list[float] = []
+    evals = 0
     for seed in seeds:
         w = workload.with_seed(seed)
-        lo, hi = bound / 64, bound * 1.05
-        lo_checked = False  # the bottom is checked only if every probe above it fails (it is the slowest run)
+
+        def ok(rate: float) -> bool:
+            nonlocal evals
+            evals += 1
+            return _meets(scenario.run(w.with_rate(rate), stop=stop), slo, form)
+
+        floor_, top = bound / 64, bound * 1.05
+        positive = [f for f in found if f > 0]
+        guess = float(np.median(positive)) if positive else 0.85 * bound
+        guess = min(max(guess, floor_), top / (1 + rel_tol))
+        step = 1.1
+        if ok(guess):
+            lo, hi = guess, top
+            while lo * step < top:
+                if ok(lo * step):
+                    lo, step = lo * step, step * step
+                else:
+                    hi = lo * step
+                    break
+        else:
+            lo, hi = 0.0, guess
+            while hi / step > floor_:
+                if ok(hi / step):
+                    lo = hi / step
+                    break
+                hi, step = hi / step, step * step
+            if lo == 0.0:
+                if ok(floor_):
+                    lo = floor_
+                else:
+                    found.append(0.0)
+                    continue
         while hi / lo > 1 + rel_tol:
             mid = math.sqrt(lo * hi)
-            evals += 1
-            if _meets(scenario.run(w.with_rate(mid)), slo, form):
-                lo, lo_checked = mid, True
+            if ok(mid):
+                lo = mid
             else:
                 hi = mid
-        if not lo_checked:
-            evals += 1
-            if not _meets(scenario.run(w.with_rate(lo)), slo, form):
-                lo = 0.0
-        found.append(min(lo, bound))  # a finite run can absorb a burst above the bound; it is not sustainable
+        found.append(min(lo, bound))
     arr = np.asarray(found)
     return MaxRate(form=form, seeds=tuple(seeds), per_seed=tuple(float(x) for x in arr),
                    low=float(arr.min()), median=float(np.median(arr)), high=float(arr.max()),

@@ -7,6 +7,7 @@ the built-in table :data:`MODELS` of well-known models.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,8 +158,38 @@ def _req(cfg: dict, key: str, name: str):
     return cfg[key]
 
 
+#: transformers' default ``tie_word_embeddings`` per ``model_type`` (the keyword default of each
+#: config class's ``__init__``); a model type not listed gets ``PretrainedConfig``'s default, True.
+TIE_DEFAULTS = {
+    "llama": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False,
+    "qwen3": False, "qwen3_moe": False, "phi3": False, "deepseek_v3": False,
+    "gemma": True, "gemma2": True, "gemma3": True, "gemma3_text": True, "gpt2": True,
+}
+
+
+def _tied(cfg: dict, outer: dict, name: str) -> bool:
+    if "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    if "tie_word_embeddings" in outer:
+        return bool(outer["tie_word_embeddings"])
+    model_type = cfg.get("model_type") or outer.get("model_type")
+    if model_type in TIE_DEFAULTS:
+        return TIE_DEFAULTS[model_type]
+    warnings.warn(
+        f"{name}: config.json has no tie_word_embeddings and model_type {model_type!r} has no known default; "
+        "assuming True (transformers' PretrainedConfig default) -- the lm_head is then not counted separately",
+        stacklevel=3,
+    )
+    return True
+
+
 def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
-    """A :class:`ModelShape` from an HF ``config.json`` mapping (multimodal: its ``text_config``)."""
+    """A :class:`ModelShape` from an HF ``config.json`` mapping (multimodal: its ``text_config``).
+
+    A missing ``tie_word_embeddings`` takes transformers' default for the ``model_type``
+    (:data:`TIE_DEFAULTS`), or ``PretrainedConfig``'s True with a warning for an unknown type.
+    """
+    outer = cfg
     if "text_config" in cfg and "hidden_size" not in cfg:
         cfg = cfg["text_config"]
     hidden = int(_req(cfg, "hidden_size", name))
@@ -174,7 +205,7 @@ def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
         head_dim=head_dim,
         intermediate=int(cfg.get("intermediate_size") or 0),
         vocab=int(_req(cfg, "vocab_size", name)),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tied_embeddings=_tied(cfg, outer, name),
         experts=experts,
         experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
         expert_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
