@@ -23,7 +23,7 @@ import torch
 
 from .assets import Document, cache_dir, load_documents
 
-__all__ = ["split_documents", "token_stream", "eval_windows", "calibration_windows", "windows_for",
+__all__ = ["split_documents", "token_stream", "eval_windows", "calibration_windows", "stream_for", "windows_for",
            "tokenizer_fingerprint"]
 
 log = logging.getLogger(__name__)
@@ -128,17 +128,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 
-def windows_for(tokenizer, corpus: str, part: str, *, seq_len: int = 512,
-                n_windows: int | None = None, bos_token_id: int | None = None,
-                cache: Path | None = None) -> torch.Tensor:
-    """Evaluation windows of a corpus split: load → split → stream → :func:`eval_windows`.
-
-    The token stream is cached as ``<cache>/tokens/<corpus>-<part>-<hash>.safetensors``, the
-    hash covering the tokenizer and the split's documents (so a changed cleaning or file
-    is retokenized).
+def stream_for(tokenizer, corpus: str, part: str, *, cache: Path | None = None) -> torch.Tensor:
+    """The token stream of a corpus split: load → split → :func:`token_stream`, cached as
+    ``<cache>/tokens/<corpus>-<part>-<hash>.safetensors``; the hash covers the tokenizer
+    and the split's documents (so a changed cleaning or file is retokenized).
 
     Returns:
-        (n, seq_len) int64.
+        1-D int64.
     """
     docs = split_documents(load_documents(corpus, cache), part)
     digest = hashlib.sha256(tokenizer_fingerprint(tokenizer).encode())
@@ -146,8 +142,19 @@ def windows_for(tokenizer, corpus: str, part: str, *, seq_len: int = 512,
         digest.update(f"{d.id}\0{d.text}\0".encode())
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", corpus).strip("_")[-60:]
     path = cache_dir(cache) / "tokens" / f"{slug}-{part}-{digest.hexdigest()[:16]}.safetensors"
-    tokens = _cached_stream(path, lambda: token_stream(tokenizer, docs),
-                            {"corpus": corpus, "part": part, "documents": str(len(docs))})
+    return _cached_stream(path, lambda: token_stream(tokenizer, docs),
+                          {"corpus": corpus, "part": part, "documents": str(len(docs))})
+
+
+def windows_for(tokenizer, corpus: str, part: str, *, seq_len: int = 512,
+                n_windows: int | None = None, bos_token_id: int | None = None,
+                cache: Path | None = None) -> torch.Tensor:
+    """Evaluation windows of a corpus split: :func:`stream_for` → :func:`eval_windows`.
+
+    Returns:
+        (n, seq_len) int64.
+    """
+    tokens = stream_for(tokenizer, corpus, part, cache=cache)
     return eval_windows(tokens, seq_len, n_windows, bos_token_id)
 
 

@@ -10,7 +10,8 @@ KL(P_ref ‖ P_quant) is computed over the reference's top-``k`` tokens plus one
 for the rest of the vocabulary:  Σ_top p·(log p − log q) + p_rest·(log p_rest − log q_rest).
 That is the KL divergence of the two distributions coarsened to k + 1 outcomes, a lower
 bound of the full KL that is exact when ``k`` is the vocabulary size, and equal to zero
-when the two models agree.
+when the two models agree.  A rest mass below 1e-5 is treated as zero: it is then the
+rounding noise of the stored fp32 log-probabilities.
 
 Confidence intervals are 95% percentile intervals of a bootstrap over windows (tokens
 within a window are correlated, windows much less so); Δ% is bootstrapped paired, with
@@ -31,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from .progress import progress_bar
 from .runtime import Forward
 
-__all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "window_metrics"]
+__all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "summarize_reference", "window_metrics"]
 
 DEFAULT_TOPK = 1024
 _REST_FLOOR = 1e-5
@@ -176,6 +177,19 @@ def evaluate(
             agree_w[i] = float(m["agree"].sum())
             kl_all.append(m["kl"])
     seconds = time.perf_counter() - t0
+    kl = torch.cat(kl_all) if kl_all else None
+    return _summarize(name, nll_w, count, seconds, bootstrap, seed, reference, kl_w, agree_w, kl)
+
+
+def summarize_reference(reference: Reference, *, name: str = "reference", bootstrap: int = 1000, seed: int = 0) -> Eval:
+    """The reference model's own perplexity (with its interval) from its stored NLLs."""
+    nll_w = reference.nll.double().sum(-1).numpy()
+    count = np.full(len(nll_w), reference.nll.shape[1], dtype=float)
+    return _summarize(name, nll_w, count, 0.0, bootstrap, seed)
+
+
+def _summarize(name, nll_w, count, seconds, bootstrap, seed, reference=None, kl_w=None, agree_w=None, kl=None) -> Eval:
+    n = len(nll_w)
     tokens = int(count.sum())
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, n, size=(bootstrap, n))
@@ -186,7 +200,6 @@ def evaluate(
         ref_w = reference.nll.double().sum(-1).numpy()
         ref_ppl = math.exp(ref_w.sum() / tokens)
         ratio_b = np.exp((nll_w[idx].sum(1) - ref_w[idx].sum(1)) / cnt_b)
-        kl = torch.cat(kl_all)
         res.update(
             delta_pct=100 * (ppl / ref_ppl - 1),
             delta_ci=tuple(100 * (v - 1) for v in _ci(ratio_b)),

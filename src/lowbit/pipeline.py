@@ -9,6 +9,7 @@ returned :class:`~lowbit.runtime.QuantState` and applied by
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 
 import torch
@@ -85,6 +86,7 @@ def quantize(
     stats: CalibStats | None = None,
     *,
     keep_qtensors: bool = False,
+    only: str | None = None,
     progress: bool = True,
 ) -> QuantState:
     """Quantize ``model`` in place by round-to-nearest as ``recipe`` says.
@@ -94,6 +96,8 @@ def quantize(
         recipe: which modules get which schemes.
         stats: calibration statistics, required when the recipe has static scales.
         keep_qtensors: keep the :class:`QTensor` of every quantized weight (for export).
+        only: a glob over module names: quantize only the matching Linears (and not
+            the KV cache) — for sensitivity studies.
         progress: show a progress bar.
 
     Returns:
@@ -103,6 +107,8 @@ def quantize(
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
+    if only is not None:
+        plan = {n: v for n, v in plan.items() if fnmatch.fnmatchcase(n, only)}
     if recipe.needs_calibration and stats is None:
         raise ValueError(f"recipe {recipe.name!r} has static (calibrated) scales; it needs calibration statistics")
     shared = _shared_global_scales(modules, plan, sibling_groups(model))
@@ -126,7 +132,7 @@ def quantize(
             state.weight_schemes[name] = wscheme
         if ischeme is not None:
             state.activations[name] = _act_quant(name, ischeme, stats)
-    if recipe.kv_cache is not None:
+    if recipe.kv_cache is not None and only is None:
         state.kv = kv_plan(recipe.kv_cache, stats.k_absmax if stats else {}, stats.v_absmax if stats else {})
     log.info("quantized %d weights, %d inputs with %s", len(state.weight_schemes), len(state.activations), recipe.name)
     return state

@@ -85,3 +85,72 @@ def print_tables(*tables: Table) -> None:
         console = Console(width=140)
     for tb in tables:
         console.print(tb)
+
+
+def _pm(v: float | None, ci: tuple[float, float] | None, fmt: str) -> str:
+    if v is None:
+        return "—"
+    if ci is None:
+        return format(v, fmt)
+    half = (ci[1] - ci[0]) / 2
+    return f"{format(v, fmt)} ± {format(half, fmt)}"
+
+
+def comparison_table(c) -> Table:
+    """The rows of a :class:`lowbit.compare.Comparison`."""
+    t = Table(
+        title=f"{c.model} on {c.corpus} ({c.split} split): {c.windows} windows × {c.seq_len} tokens, "
+        f"{c.tokens:,} predicted tokens, seed {c.seed}; ± is a 95% bootstrap half-width",
+        title_justify="left",
+    )
+    for col in ("configuration", "PPL", "Δ%", "KL mean", "KL p99", "top-1 agree", "W bits", "KV bits"):
+        t.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col != "configuration")
+    for r in c.rows:
+        e = r.eval
+        delta = "—" if e.delta_pct is None else f"{e.delta_pct:+.2f}" + (
+            f" [{e.delta_ci[0]:+.1f}, {e.delta_ci[1]:+.1f}]" if e.delta_ci else "")
+        t.add_row(
+            f"{r.recipe}\n[dim]{r.description}[/dim]",
+            _pm(e.ppl, e.ppl_ci, ".3f"),
+            delta,
+            _pm(e.kl_mean, e.kl_ci, ".4f"),
+            "—" if e.kl_p99 is None else f"{e.kl_p99:.3f}",
+            "—" if e.top1 is None else f"{e.top1:.3f}",
+            f"{r.weight_bits:.3f}",
+            f"{r.kv_bits:g}",
+        )
+    return t
+
+
+def stages_table(stage_seconds: dict[str, float]) -> Table:
+    t = Table(title="Time per stage", title_justify="left")
+    t.add_column("stage")
+    t.add_column("seconds", justify="right")
+    for k, v in stage_seconds.items():
+        t.add_row(k, f"{v:.1f}")
+    t.add_row("[bold]total[/bold]", f"{sum(stage_seconds.values()):.1f}")
+    return t
+
+
+def sensitivity_table(rows, recipe: str) -> Table:
+    t = Table(title=f"Sensitivity to {recipe}: one module type or one decoder layer quantized at a time, "
+              "most damaging first", title_justify="left")
+    for col in ("rank", "quantized", "KL mean", "Δ% PPL", "top-1 agree"):
+        t.add_column(col, justify="left" if col == "quantized" else "right")
+    for i, r in enumerate(rows, 1):
+        e = r.row.eval
+        t.add_row(str(i), f"{r.kind}: {r.target}", f"{e.kl_mean:.5f}", f"{e.delta_pct:+.2f}", f"{e.top1:.4f}")
+    return t
+
+
+def kv_stats_table(rows, model: str) -> Table:
+    t = Table(title=f"{model}: what each layer writes to the KV cache, and the FP8 error "
+              "(relative ‖x − Q(x)‖/‖x‖)", title_justify="left")
+    for col in ("layer", "|K| max", "|K| median", "K channel spread", "K head spread", "|V| max", "|V| median",
+                "K err / tensor", "K err / head", "V err / tensor"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r.layer), num(r.k_absmax), num(r.k_median), f"{r.k_channel_spread:.1f}",
+                  f"{r.k_head_spread:.2f}", num(r.v_absmax), num(r.v_median), f"{r.k_err_tensor:.4f}",
+                  f"{r.k_err_head:.4f}", f"{r.v_err_tensor:.4f}")
+    return t
