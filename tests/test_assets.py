@@ -79,6 +79,11 @@ def test_clean_wikitext_unclosed_template_drops_only_its_opening():
     assert clean_wikitext("Start {{broken and more text. {{x}} End") == "Start broken and more text. End"
 
 
+def test_clean_wikitext_tidies_parentheses_emptied_by_templates():
+    markup = "Anthropology ({{lang-grc|x}}, ''human'') and Apollo ({{IPA|y}}; {{lang|z}}) and x ({{a}})."
+    assert clean_wikitext(markup) == "Anthropology (human) and Apollo and x."
+
+
 def test_clean_wikitext_keeps_link_targets_and_paragraphs():
     text = clean_wikitext("[[Paris]] is big.\n\n\n\nSecond [[:Category:Cities|list]] para.")
     assert text == "Paris is big.\n\nSecond list para."

@@ -29,13 +29,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .corpora import (Document, hf_documents, jsonl_text, local_documents, read_brown_archive,
                       read_jsonl, read_wiki_archive)
 from .io import atomic_dir, atomic_write_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "ModelAsset", "CorpusAsset", "MODEL_ASSETS", "CORPUS_ASSETS", "Document", "ModelInfo",
@@ -336,7 +339,8 @@ def _needs_bos(model_type: str, tokenizer) -> bool:
 
 
 def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu"):
+               device: str | torch.device = "cpu",
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load a causal LM for evaluation: ``(model, tokenizer, ModelInfo)``.
 
     ``name_or_path`` is a :data:`MODEL_ASSETS` name (fetched and converted if missing), a

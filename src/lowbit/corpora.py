@@ -226,6 +226,7 @@ def _paragraphs(text: str) -> str:
             continue  # rules, and rows of tables whose opening was malformed
         line = re.sub(r"^[*#:;]+\s*", "", line)
         line = re.sub(r"\(\s*[,;]?\s*\)", "", line)  # parentheses emptied by removed templates
+        line = re.sub(r"\(\s*(?:[,;:]\s*)+", "(", line)  # ... or opening with their separator
         line = re.sub(r"\s+([,.;:])", r"\1", re.sub(r"[ \t]{2,}", " ", line)).strip()
         lines.append(line)
     text = "\n".join(lines)
