@@ -5,5 +5,6 @@ touches a model: :mod:`lowbit.pipeline` gathers the statistics and applies the r
 """
 
 from .gptq import gptq
+from .smoothquant import smooth, smoothquant_scales
 
-__all__ = ["gptq"]
+__all__ = ["gptq", "smooth", "smoothquant_scales"]
