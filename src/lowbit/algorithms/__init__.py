@@ -5,6 +5,7 @@ touches a model: :mod:`lowbit.pipeline` gathers the statistics and applies the r
 """
 
 from .gptq import gptq
+from .rtn import clip_ratios, mse_qparams
 from .smoothquant import smooth, smoothquant_scales
 
-__all__ = ["gptq", "smooth", "smoothquant_scales"]
+__all__ = ["gptq", "clip_ratios", "mse_qparams", "smooth", "smoothquant_scales"]

@@ -1,0 +1,105 @@
+"""Round-to-nearest observers: how the scales of plain rounding are chosen.
+
+Min-max is :func:`lowbit.qtensor.compute_qparams`.  This module adds the MSE observer:
+a search over clipping ratios per block, optionally weighted by how much each input
+channel matters (activation-weighted, as llama.cpp's importance matrix and
+llm-compressor's weighted MSE observer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..granularity import blocked, matrix_shape, matrix_view
+from ..qtensor import QParams, _check_finite, fake_quantize
+from ..scheme import Scheme
+
+__all__ = ["mse_qparams", "clip_ratios"]
+
+
+def clip_ratios(grid: int, max_shrink: float) -> list[float]:
+    """``1, 1 − 1/grid, …, 1 − max_shrink``: the ratios a clipping search tries, largest
+    first (so that ties keep the min-max range)."""
+    if grid < 1 or not 0.0 <= max_shrink < 1.0:
+        raise ValueError(f"clip ratios need grid ≥ 1 and 0 ≤ max_shrink < 1, got grid={grid}, max_shrink={max_shrink}")
+    steps = int(round(max_shrink * grid))
+    return [1.0 - k / grid for k in range(steps + 1)]
+
+
+def mse_qparams(
+    w: torch.Tensor,
+    scheme: Scheme,
+    *,
+    grid: int = 100,
+    max_shrink: float = 0.2,
+    importance: torch.Tensor | None = None,
+    norm: float = 2.0,
+    global_scale: torch.Tensor | None = None,
+) -> QParams:
+    """MSE observer: the grid search over clipping ratios of the GPTQ reference
+    quantizer (Frantar et al., ICLR 2023, code ``quant.py``, ``mse=True``) and of
+    llm-compressor's MSE observer, optionally weighted by input-channel importance
+    (llama.cpp's importance matrix): per block ``b`` choose the clipping ratio
+
+        r_b = argmin_{r ∈ {1, 1−1/grid, …, 1−max_shrink}}  Σ_{(i,j) ∈ b} a_j · |w_ij − Q_r(w_ij)|^p
+
+    where ``Q_r`` quantizes with the scale of the shrunk range ``[r·min, r·max]``
+    (both ends shrink together; values outside saturate), ``a_j`` is the importance of
+    input channel ``j`` (e.g. mean ``x_j²`` over calibration tokens) and ``p = norm``.
+
+    Ratio 1 is the min-max scale and is tried first, and ties keep it, so the result is
+    never worse than min-max on this objective.  Scales are rounded to their storage
+    format *inside* the search (E8M0 powers of two, NVFP4's FP8 block scales), so the
+    error compared is the error that will be stored.
+
+    Args:
+        w: tensor to quantize, viewed as ``(rows, cols)`` (a Linear's ``(out, in)``).
+        scheme: any scheme; its granularity defines the blocks.
+        grid, max_shrink: the ratios tried (:func:`clip_ratios`).
+        importance: ``(cols,)`` non-negative weights, or ``None`` for uniform.
+        norm: the exponent ``p`` of the error.
+        global_scale: for two-level schemes (NVFP4), the tensor's global scale; default
+            computed from ``w`` as min-max does.  It is not searched.
+
+    Returns:
+        :class:`QParams` with ``(R, C)`` scales (and zeros).  Cost: ``len(ratios)``
+        fake-quantizations of ``w``.
+    """
+    gran = scheme.granularity
+    rows, cols = matrix_shape(tuple(w.shape), gran)
+    _check_finite(w, "mse_qparams")
+    m = matrix_view(w.detach(), gran).to(torch.float32)                      # (rows, cols)
+    b = blocked(m, gran)                                                     # (R, br, C, bc)
+    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
+    if scheme.symmetric:
+        hi = torch.maximum(-lo, hi)
+        lo = -hi
+    if scheme.global_scale and global_scale is None:
+        global_scale = scheme.global_scale_from_amax(hi.max())
+    g = global_scale if scheme.global_scale else None
+
+    if importance is None:
+        weight = None
+    else:
+        imp = importance.detach().to(torch.float32).reshape(-1)
+        if imp.shape[0] != cols or (imp < 0).any() or not torch.isfinite(imp).all():
+            raise ValueError(f"mse_qparams: importance must be ({cols},) finite and non-negative, got {tuple(importance.shape)}")
+        weight = blocked(imp.expand(rows, cols), gran)                       # (R, br, C, bc)
+
+    best_err = best_scale = best_zero = None
+    for r in clip_ratios(grid, max_shrink):
+        scale, zero = scheme.scales_from_range(lo * r, hi * r, g)
+        q = matrix_view(fake_quantize(w.detach().to(torch.float32), scheme, QParams(scale, zero, g)), gran)
+        e = blocked((m - q).abs_().pow_(norm), gran)                         # (R, br, C, bc)
+        if weight is not None:
+            e = e.mul_(weight)
+        err = e.sum(dim=(1, 3))                                              # (R, C)
+        if best_err is None:
+            best_err, best_scale, best_zero = err, scale, zero
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return QParams(best_scale, best_zero, g)
