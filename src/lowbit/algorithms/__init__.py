@@ -4,8 +4,9 @@ Each function opens with the paper, section and equation it implements.  None of
 touches a model: :mod:`lowbit.pipeline` gathers the statistics and applies the results.
 """
 
+from .awq import awq_clip, awq_scales
 from .gptq import gptq
 from .rtn import clip_ratios, mse_qparams
 from .smoothquant import smooth, smoothquant_scales
 
-__all__ = ["gptq", "clip_ratios", "mse_qparams", "smooth", "smoothquant_scales"]
+__all__ = ["awq_clip", "awq_scales", "gptq", "clip_ratios", "mse_qparams", "smooth", "smoothquant_scales"]
