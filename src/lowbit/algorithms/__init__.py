@@ -6,7 +6,8 @@ touches a model: :mod:`lowbit.pipeline` gathers the statistics and applies the r
 
 from .awq import awq_clip, awq_scales
 from .gptq import gptq
+from .rotation import hadamard, random_hadamard, rotate_weight_in, rotate_weight_out
 from .rtn import clip_ratios, mse_qparams
 from .smoothquant import smooth, smoothquant_scales
 
-__all__ = ["awq_clip", "awq_scales", "gptq", "clip_ratios", "mse_qparams", "smooth", "smoothquant_scales"]
+__all__ = ["awq_clip", "awq_scales", "gptq", "hadamard", "random_hadamard", "rotate_weight_in", "rotate_weight_out", "clip_ratios", "mse_qparams", "smooth", "smoothquant_scales"]
