@@ -259,3 +259,39 @@ def test_mixed_groups_and_ignore():
     assert formats == ["float-quantized", "pack-quantized", "pack-quantized"]
     targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
     assert len(targets) == len(set(targets)) == 14 and qc["ignore"] == ["lm_head"]
+
+
+def test_serve_command_and_cli(tmp_path, capsys):
+    import argparse
+
+    from lowbit.export.commands import register
+    from lowbit.export.serve import serve_plan
+
+    model, state = _quantized(RECIPES["kv-fp8"])
+    export(model, state, tmp_path / "kv", dtype=torch.float32)
+    plan = serve_plan(tmp_path / "kv")
+    assert "--kv-cache-dtype fp8" in plan.vllm and "fp8_e4m3" in plan.sglang
+    model, state = _quantized(RECIPES["fp8-dynamic"])
+    export(model, state, tmp_path / "fp8", dtype=torch.float32)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve-command", str(tmp_path / "fp8")])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "vllm serve" in text and "--kv-cache-dtype" not in text and "H100" in text
+    q = parser.parse_args(["quantize", "m", "--recipe", "nvfp4", "--out", "d", "--no-eval"])
+    assert q.eval is False and q.calib_windows == 128 and q.corpus == "wiki"
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a compressed-tensors"):
+        serve_plan(tmp_path / "plain")
+
+
+def test_quantize_to_folder_refuses_before_loading(tmp_path):
+    from lowbit.export.checkpoint import quantize_to_folder
+
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(FileExistsError):
+        quantize_to_folder("no-such-model", "fp8-dynamic", tmp_path / "exists")
+    with pytest.raises(UnsupportedScheme):
+        quantize_to_folder("no-such-model", "kv-fp8-head", tmp_path / "new")

@@ -28,7 +28,8 @@ from ..scheme import Scheme, bits_per_element
 from .compressed_tensors import (check_recipe, check_shapes, ct_format, input_tensors, kv_args, scheme_args,
                                  weight_tensors)
 
-__all__ = ["SizeReport", "ExportResult", "quantization_config", "checkpoint_tensors", "export", "plan_of",
+__all__ = ["SizeReport", "ExportResult", "quantization_config", "checkpoint_tensors", "export", "plan_of", "read_into",
+           "quantize_to_folder",
            "DEFAULT_DTYPE"]
 
 log = logging.getLogger(__name__)
@@ -155,11 +156,11 @@ def _predicted_bytes(model: nn.Module, state: QuantState) -> int:
                      for n, s in state.weight_schemes.items()))
 
 
-def _card(model_name: str, recipe_text: str, qc: dict, sizes: SizeReport, ev: dict | None) -> str:
+def _card(model_name: str, recipe_name: str, recipe_text: str, qc: dict, sizes: SizeReport, ev: dict | None) -> str:
     lines = [
         f"# {model_name} — quantized with lowbit {__version__}",
         "",
-        f"Recipe: `{recipe_text}`",
+        f"Recipe: `{recipe_name}` — `{recipe_text}`",
         "",
         f"Format: compressed-tensors `{qc['format']}` (config groups: {len(qc['config_groups'])}; "
         f"KV-cache scales: {'yes' if qc['kv_cache_scheme'] else 'no'}). Serve with `lowbit serve-command <this folder>`.",
@@ -172,7 +173,10 @@ def _card(model_name: str, recipe_text: str, qc: dict, sizes: SizeReport, ev: di
         ref = ev.get("reference", {})
         q = ev.get("checkpoint", {})
         lines += [
-            "## Evaluation (this checkpoint, loaded by transformers + compressed-tensors, vs the unquantized model)",
+            "## Evaluation (this checkpoint against the unquantized model)",
+            "",
+            "Every weight was read back from this folder through compressed-tensors' decompressors; activation "
+            "and KV quantization ran in lowbit's runtime with the scales stored here.",
             "",
             f"Corpus {ev.get('corpus')}, {q.get('windows')} windows, {q.get('tokens')} tokens.",
             "",
@@ -243,6 +247,104 @@ def export(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         sizes = SizeReport(file_bytes, quantized, _predicted_bytes(model, state), total - quantized)
         ev = evaluate(tmp) if evaluate is not None else None
-        (tmp / "README.md").write_text(_card(model_name, state.recipe.summary(), qc, sizes, ev))
+        (tmp / "README.md").write_text(_card(model_name, state.recipe.name, state.recipe.summary(), qc, sizes, ev))
     log.info("wrote %s (%s, %.2f MiB)", out, qc["format"], sizes.file_bytes / 2**20)
     return ExportResult(out, state.recipe.name, tuple(g["format"] for g in qc["config_groups"].values()), sizes, ev)
+
+
+# -- reading back, and the one-call quantize → write → evaluate ------------------------
+
+
+@torch.no_grad()
+def read_into(model: nn.Module, folder: Path) -> nn.Module:
+    """Load the checkpoint in ``folder`` into ``model`` (same architecture), every quantized
+    weight decompressed by compressed-tensors itself, every other tensor as stored.
+
+    Raises:
+        ImportError: compressed-tensors is not installed.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    qc = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    groups = list(parsed.config_groups.values())
+    with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    params = dict(model.named_parameters())
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or f"{name}.weight" in stored or name in parsed.ignore:
+            continue
+        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
+        if not local:
+            continue
+        scheme = groups[0] if len(groups) == 1 else next(g for g in groups if name in g.targets)
+        stored[f"{name}.weight"] = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"]
+    for name, p in params.items():
+        if name in stored:
+            p.copy_(stored[name].to(p.dtype))
+    return model
+
+
+def quantize_to_folder(
+    model: str,
+    recipe: str,
+    out: Path,
+    *,
+    force: bool = False,
+    calib_windows: int = 128,
+    corpus: str = "wiki",
+    seed: int = 0,
+    evaluate: bool = True,
+    windows: int = 64,
+    seq_len: int = 512,
+    cache: Path | None = None,
+    dtype: torch.dtype = DEFAULT_DTYPE,
+    progress: bool = True,
+) -> ExportResult:
+    """``lowbit quantize``: load ``model``, quantize it with ``recipe`` (calibrating when the
+    recipe has static scales), write the compressed-tensors folder ``out`` and, if
+    ``evaluate``, evaluate the written checkpoint against the unquantized model.
+
+    The evaluation reads every weight back from the written files through compressed-tensors'
+    decompressors; activation and KV quantization run in lowbit's runtime with the scales
+    that were written.  Bad recipes and an existing ``out`` are refused before any work.
+    """
+    import copy
+
+    from ..compare import Workbench
+    from ..evaluate import evaluate as run_eval
+    from ..recipe import load_recipe
+    from ..runtime import quantized_execution
+
+    r = load_recipe(recipe)
+    check_recipe(r)
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
+    bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
+                           calib_windows=calib_windows if r.needs_calibration else 0, seed=seed, cache=cache,
+                           progress=progress)
+    shapes = _linear_shapes(bench.model)
+    check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
+    if evaluate:
+        bench.reference  # from the unquantized model, before it is quantized in place
+    stats = bench.stats if r.needs_calibration else None
+    state = _quantize(bench.model, r, stats, progress)
+
+    def _evaluate(folder: Path) -> dict:
+        written = read_into(copy.deepcopy(bench.model), folder)
+        with quantized_execution(written, state) as fwd:
+            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
+        ref = bench.reference_row().eval
+        return {"corpus": corpus, "reference": ref.to_dict(), "checkpoint": ev.to_dict()}
+
+    return export(bench.model, state, out, tokenizer=bench.tokenizer, source=bench.info.path, dtype=dtype,
+                  force=force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
+
+
+def _quantize(model: nn.Module, recipe, stats, progress: bool) -> QuantState:
+    from ..pipeline import quantize
+
+    return quantize(model, recipe, stats, keep_qtensors=True, progress=progress)
