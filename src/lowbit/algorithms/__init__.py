@@ -6,8 +6,16 @@ touches a model: :mod:`lowbit.pipeline` gathers the statistics and applies the r
 
 from .awq import awq_clip, awq_scales
 from .gptq import gptq
+from .outliers import fake_quantize_with_outliers, outlier_channels
 from .rotation import hadamard, random_hadamard, rotate_weight_in, rotate_weight_out
 from .rtn import clip_ratios, mse_qparams
 from .smoothquant import smooth, smoothquant_scales
 
-__all__ = ["awq_clip", "awq_scales", "gptq", "hadamard", "random_hadamard", "rotate_weight_in", "rotate_weight_out", "clip_ratios", "mse_qparams", "smooth", "smoothquant_scales"]
+__all__ = [
+    "mse_qparams", "clip_ratios",                                   # rtn
+    "gptq",                                                         # gptq
+    "smoothquant_scales", "smooth",                                 # smoothquant
+    "awq_scales", "awq_clip",                                       # awq
+    "hadamard", "random_hadamard", "rotate_weight_in", "rotate_weight_out",  # rotation
+    "outlier_channels", "fake_quantize_with_outliers",              # outliers
+]
