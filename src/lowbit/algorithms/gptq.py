@@ -124,7 +124,8 @@ def gptq(
 
     Qv = torch.empty_like(W)                                     # (out, in) element values (with zero)
     col_scale: list[tuple[torch.Tensor, torch.Tensor | None]] = [None] * n_groups  # per row: (out,), (out,)|None
-    with _one_thread():  # ~in small ops per column: threads only add synchronisation
+    # `in` rounds of small vector ops: extra threads would only add synchronisation
+    with _one_thread():
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
             W1 = W[:, i1:i2].clone()                                 # (out, B)
