@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/lowbit formats
-	$(BIN)/lowbit formats --error
+	$(BIN)/lowbit assets fetch smollm2-135m wiki
+	$(BIN)/lowbit compare smollm2-135m
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -28,6 +28,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python benchmarks/fake_quant_speed.py
+	$(BIN)/python benchmarks/eval_speed.py
+	$(BIN)/python benchmarks/sim_speed.py
+	$(BIN)/python benchmarks/sim_validation.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

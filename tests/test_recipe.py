@@ -48,7 +48,8 @@ def test_custom_ignore_replaces_default():
         ({"kv_cache": {"scheme": "fp8-tensor", "keys": False, "values": False}}, r"recipe.kv_cache: at least one"),
         ({"weights": {"format": "fp8_e4m3", "granularity": "channel", "symmetric": False}},
          r"recipe.weights: asymmetric quantization needs an integer format"),
-        ({"algorithms": {"gptq": {}}}, r"recipe.algorithms: calibration algorithms .* not implemented"),
+        ({"algorithms": {"gptq": {"blocksize": 4}}}, r"recipe.algorithms.gptq: unknown key\(s\) \[.blocksize.\]"),
+        ({"algorithms": {"awq": {}, "smoothquant": {}}}, r"recipe.algorithms: smoothquant and awq"),
     ],
 )
 def test_errors_name_the_key_path(d, path):

@@ -91,15 +91,19 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
 
 @torch.inference_mode()
 def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True) -> CalibStats:
-    """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
+    (every Linear but ``lm_head``, whose input a static scheme then cannot use)."""
+    # the decoder alone: statistics need no logits, and lm_head (never quantized by
+    # default) is a fifth of a small model's work
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     stats = CalibStats()
     obs = KVObserver()
-    kw = cache_kwarg(model)
+    kw = cache_kwarg(body)
     with record_input_absmax(model, names, stats.input_absmax):
         for i in progress_bar(range(len(windows)), "calibrating", enabled=progress):
             ids = windows[i : i + 1]
-            model(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
+            body(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
             stats.tokens += ids.numel()
     stats.k_absmax, stats.v_absmax = obs.k_absmax, obs.v_absmax
     log.info("calibrated on %d tokens", stats.tokens)

@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="lowbit", description="Quantize, measure, plan and ship low-bit LLMs.")
     p.add_argument("--version", action="version", version=f"lowbit {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="more log messages")
     sub = p.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("formats", help="the element formats, or (--error) what each scheme costs on a weight")
@@ -211,8 +212,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _configure_logging(verbose: bool) -> None:
+    """Library progress messages go through ``logging``; the CLI shows them on stderr."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("lowbit")
+    if not root.handlers:
+        root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    try:  # transformers' own per-load progress bars add nothing here
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _configure_logging(getattr(args, "verbose", False))
     try:
         return args.func(args)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:

@@ -180,6 +180,8 @@ class Workbench:
                 )
                 self._reference.save(path)
                 self.stage_seconds["reference"] = time.perf_counter() - t0
+                log.info("reference: %d windows in %.0f s (cached at %s)", len(self.windows),
+                         self.stage_seconds["reference"], path)
         return self._reference
 
     @property
@@ -196,6 +198,7 @@ class Workbench:
                 self._stats = collect_stats(self.model, self.calib_windows, progress=self.progress)
                 self._stats.save(path)
                 self.stage_seconds["calibration"] = time.perf_counter() - t0
+                log.info("calibration: %d windows in %.0f s", len(self.calib_windows), self.stage_seconds["calibration"])
         return self._stats
 
     def reference_row(self) -> Row:
@@ -214,10 +217,12 @@ class Workbench:
         if recipe is None:
             ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress)
             return Row(label, "as loaded", ev, weight_bits(model, None), HIGH_PRECISION_BITS, 0.0)
-        stats = self.stats if recipe.needs_calibration else None
+        layerwise = recipe.algorithms.layerwise
+        stats = self.stats if recipe.needs_calibration and not layerwise else None
         model = copy.deepcopy(model)
         t0 = time.perf_counter()
-        state = quantize(model, recipe, stats, only=only, progress=False)
+        state = quantize(model, recipe, stats, only=only, progress=self.progress,
+                         calibration=self.calib_windows if layerwise else None)
         tq = time.perf_counter() - t0
         with quantized_execution(model, state) as fwd:
             ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress)
@@ -237,7 +242,7 @@ def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], Non
     parsed = [load_recipe(r) for r in recipes]  # bad names fail before any work
     result = bench.describe()
     result.rows.append(bench.reference_row())
-    if any(r.needs_calibration for r in parsed):
+    if any(r.needs_calibration and not r.algorithms.layerwise for r in parsed):
         bench.stats  # calibrate once, up front, so that stage times stay separate
     if on_row:
         on_row(result.rows[-1])
@@ -245,6 +250,9 @@ def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], Non
         t0 = time.perf_counter()
         result.rows.append(bench.run(r))
         bench.stage_seconds[f"config {r.name}"] = time.perf_counter() - t0
+        e = result.rows[-1].eval
+        log.info("%s: perplexity %.3f (%+.2f%%), KL %.4f, top-1 %.3f, %.0f s", r.name, e.ppl, e.delta_pct,
+                 e.kl_mean, e.top1, bench.stage_seconds[f"config {r.name}"])
         if on_row:
             on_row(result.rows[-1])
     result.stage_seconds = dict(bench.stage_seconds)

@@ -42,7 +42,7 @@ def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
     return groups
 
 
-def _shared_global_scales(
+def shared_global_scales(
     modules: dict[str, nn.Module], plan: dict[str, tuple[Scheme | None, Scheme | None]], groups: list[tuple[str, ...]]
 ) -> dict[str, torch.Tensor]:
     out = {}
@@ -60,23 +60,55 @@ def _shared_global_scales(
     return out
 
 
-def _act_quant(name: str, scheme: Scheme, stats: CalibStats | None) -> ActQuant:
+def _act_quant(
+    name: str, scheme: Scheme, stats: CalibStats | None, rotation: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> ActQuant:
     if scheme.dynamic and not scheme.global_scale:
-        return ActQuant(scheme)
+        return ActQuant(scheme, rotation=rotation, keep=keep)
     if stats is None or name not in stats.input_absmax:
         raise ValueError(
             f"the input scheme of {name} ({scheme}) needs calibrated scales; run with calibration data"
         )
-    amax = stats.input_absmax[name].max().float()
+    absmax = stats.input_absmax[name].float()
+    if keep is not None and keep.numel():
+        absmax = absmax.clone()
+        absmax[keep] = 0  # kept channels stay in high precision: they must not set the scale
+    amax = absmax.max()
     if scheme.global_scale:
-        return ActQuant(scheme, global_scale=scheme.global_scale_from_amax(amax))
+        return ActQuant(scheme, global_scale=scheme.global_scale_from_amax(amax), rotation=rotation, keep=keep)
     if scheme.granularity.kind != "tensor":
         raise ValueError(
             f"{name}: a static input scale needs tensor granularity, got {scheme.granularity}; "
             "use a dynamic scheme (e.g. fp8-token) for finer granularity"
         )
     scale, zero = scheme.scales_from_range(-amax.reshape(1, 1), amax.reshape(1, 1))
-    return ActQuant(scheme, qparams=QParams(scale, zero))
+    return ActQuant(scheme, qparams=QParams(scale, zero), rotation=rotation, keep=keep)
+
+
+def activation_plan(
+    plan: dict[str, tuple[Scheme | None, Scheme | None]],
+    stats: CalibStats | None,
+    rotations: dict[str, torch.Tensor] | None = None,
+    keep: dict[str, torch.Tensor] | None = None,
+) -> dict[str, ActQuant]:
+    """How each Linear's input is quantized (and rotated), from the recipe's plan and the
+    calibration statistics."""
+    rotations, keep = rotations or {}, keep or {}
+    out = {}
+    for name, (_, ischeme) in plan.items():
+        if ischeme is not None:
+            out[name] = _act_quant(name, ischeme, stats, rotations.get(name), keep.get(name))
+        elif name in rotations:
+            out[name] = ActQuant(None, rotation=rotations[name])
+    return out
+
+
+def kv_plan_from(recipe: Recipe, stats: CalibStats | None):
+    """The KV plan of ``recipe`` with static scales from ``stats``."""
+    if recipe.kv_cache is None:
+        return None
+    return kv_plan(recipe.kv_cache, stats.k_absmax if stats else {}, stats.v_absmax if stats else {})
 
 
 @torch.no_grad()
@@ -87,6 +119,7 @@ def quantize(
     *,
     keep_qtensors: bool = False,
     only: str | None = None,
+    calibration: torch.Tensor | None = None,
     progress: bool = True,
 ) -> QuantState:
     """Quantize ``model`` in place by round-to-nearest as ``recipe`` says.
@@ -98,12 +131,22 @@ def quantize(
         keep_qtensors: keep the :class:`QTensor` of every quantized weight (for export).
         only: a glob over module names: quantize only the matching Linears (and not
             the KV cache) — for sensitivity studies.
+        calibration: ``(n, seq)`` calibration windows, required when the recipe has
+            calibration algorithms (they run layer by layer, see :mod:`lowbit.layerwise`).
         progress: show a progress bar.
 
     Returns:
         The :class:`QuantState` that :func:`~lowbit.runtime.quantized_execution` runs.
     """
     arch_of(model)  # unsupported architectures fail here, before any work
+    if recipe.algorithms.layerwise:
+        if only is not None:
+            raise ValueError("calibration algorithms run on whole models; `only` works with plain rounding")
+        if calibration is None:
+            raise ValueError(f"recipe {recipe.name!r} uses calibration algorithms; it needs calibration windows")
+        from .layerwise import quantize_layerwise
+
+        return quantize_layerwise(model, recipe, calibration, keep_qtensors=keep_qtensors, progress=progress)
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
@@ -111,10 +154,10 @@ def quantize(
         plan = {n: v for n, v in plan.items() if fnmatch.fnmatchcase(n, only)}
     if recipe.needs_calibration and stats is None:
         raise ValueError(f"recipe {recipe.name!r} has static (calibrated) scales; it needs calibration statistics")
-    shared = _shared_global_scales(modules, plan, sibling_groups(model))
+    shared = shared_global_scales(modules, plan, sibling_groups(model))
     state = QuantState(recipe)
     for name in progress_bar(list(plan), f"quantizing ({recipe.name})", enabled=progress):
-        wscheme, ischeme = plan[name]
+        wscheme = plan[name][0]
         mod = modules[name]
         if wscheme is not None:
             w = mod.weight.detach()
@@ -130,9 +173,8 @@ def quantize(
                 new = fake_quantize(w, wscheme, qp)
             mod.weight.copy_(new)
             state.weight_schemes[name] = wscheme
-        if ischeme is not None:
-            state.activations[name] = _act_quant(name, ischeme, stats)
-    if recipe.kv_cache is not None and only is None:
-        state.kv = kv_plan(recipe.kv_cache, stats.k_absmax if stats else {}, stats.v_absmax if stats else {})
+    state.activations = activation_plan(plan, stats)
+    if only is None:
+        state.kv = kv_plan_from(recipe, stats)
     log.info("quantized %d weights, %d inputs with %s", len(state.weight_schemes), len(state.activations), recipe.name)
     return state

@@ -83,13 +83,85 @@ class KVConfig:
 
 
 @dataclass(frozen=True)
+class Algorithms:
+    """Calibration methods, applied in a fixed order by the layer-by-layer pipeline:
+    rotations → balancing (SmoothQuant or AWQ) → weight quantizer (GPTQ, or RTN with an
+    observer) → activation and KV calibration.  An illegal order cannot be written.
+
+    Attributes:
+        rotation: rotate the residual stream and the down_proj inputs by seeded random
+            Hadamard matrices (QuaRot / SpinQuant-style); ``{seed, residual, down}``.
+        smoothquant: ``{alpha}`` migration strength.
+        awq: ``{grid, clip, duo_scaling, tokens}``: scale search, then the clipping search.
+        gptq: ``{block_size, damp, act_order, static_groups}``.
+        observer: ``minmax`` or ``mse`` (clipping search); ``mse_importance`` weights the
+            search by each input channel's mean x².
+        outliers: keep input channels whose calibrated absmax exceeds ``threshold`` × the
+            median in high precision (LLM.int8()-style), for comparison.
+        batch: calibration windows per layer forward.
+    """
+
+    rotation: dict | None = None
+    smoothquant: dict | None = None
+    awq: dict | None = None
+    gptq: dict | None = None
+    observer: str = "minmax"
+    mse_importance: bool = False
+    outliers: dict | None = None
+    batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.smoothquant is not None and self.awq is not None:
+            raise ValueError("smoothquant and awq both rescale the same channels; choose one")
+        if self.observer not in ("minmax", "mse"):
+            raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether the layer-by-layer pipeline is needed (anything beyond plain min-max RTN)."""
+        return any(v is not None for v in (self.rotation, self.smoothquant, self.awq, self.gptq, self.outliers)) or (
+            self.observer != "minmax"
+        )
+
+
+_ALGO_KEYS = {
+    "rotation": {"seed", "residual", "down"},
+    "smoothquant": {"alpha"},
+    "awq": {"grid", "clip", "duo_scaling", "tokens"},
+    "gptq": {"block_size", "damp", "act_order", "static_groups"},
+    "outliers": {"threshold", "top_k"},
+}
+
+
+def algorithms_from_dict(d: dict, where: str) -> Algorithms:
+    _check_keys(d, set(_ALGO_KEYS) | {"observer", "mse_importance", "batch"}, where)
+    kw = {}
+    for key, allowed in _ALGO_KEYS.items():
+        if key in d:
+            v = d[key] if d[key] is not None else {}
+            if v is True:
+                v = {}
+            _check_keys(v, allowed, f"{where}.{key}")
+            kw[key] = dict(v)
+    for key in ("observer", "mse_importance", "batch"):
+        if key in d:
+            kw[key] = d[key]
+    try:
+        return Algorithms(**kw)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     rules: tuple[Rule, ...] = ()
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     kv_cache: KVConfig | None = None
     description: str = ""
-    algorithms: dict = field(default_factory=dict, compare=False, hash=False)
+    algorithms: Algorithms = field(default_factory=Algorithms)
 
     def resolve(self, names: list[str]) -> dict[str, tuple[Scheme | None, Scheme | None]]:
         """For each module name that some rule quantizes: ``(weight scheme, input scheme)``.
@@ -189,23 +261,21 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
             )
         except ValueError as e:
             raise ValueError(str(e) if str(e).startswith(where) else f"{w}: {e}") from None
-    algorithms = d.get("algorithms") or {}
-    if algorithms:
-        raise ValueError(
-            f"{where}.algorithms: calibration algorithms (GPTQ, AWQ, SmoothQuant, rotations) are not implemented yet; "
-            "this version quantizes by round-to-nearest only"
-        )
+    algorithms = algorithms_from_dict(d.get("algorithms") or {}, f"{where}.algorithms")
     return Recipe(
         name=str(d.get("name", "custom")),
         rules=tuple(rules),
         ignore=_str_list(d["ignore"], f"{where}.ignore") if "ignore" in d else DEFAULT_IGNORE,
         kv_cache=kv,
         description=str(d.get("description", "")),
+        algorithms=algorithms,
     )
 
 
-def _preset(name: str, description: str, weights=None, inputs=None, kv=None) -> Recipe:
+def _preset(name: str, description: str, weights=None, inputs=None, kv=None, algorithms=None) -> Recipe:
     d = {"name": name, "description": description}
+    if algorithms:
+        d["algorithms"] = algorithms
     if weights or inputs:
         d["weights"], d["inputs"] = weights, inputs
     if kv:
@@ -232,6 +302,23 @@ RECIPES: dict[str, Recipe] = {
         _preset("w4a16-nvfp4", "W4A16 NVFP4 (E2M1, blocks of 16, FP8 scales, global scale)", "nvfp4"),
         _preset("mxfp4", "W4A4 MXFP4 weights and activations", "mxfp4", "mxfp4"),
         _preset("nvfp4", "W4A4 NVFP4 weights and activations (calibrated activation global scale)", "nvfp4", "nvfp4"),
+        _preset("w4a16-int4-g64-mse", "W4A16 INT4 g64, RTN with an activation-weighted MSE clipping search",
+                "int4-g64", algorithms={"observer": "mse", "mse_importance": True}),
+        _preset("w4a16-gptq-g64", "W4A16 INT4 g64, GPTQ", "int4-g64", algorithms={"gptq": {}}),
+        _preset("w4a16-gptq-g128", "W4A16 INT4 g128, GPTQ", "int4-g128", algorithms={"gptq": {}}),
+        _preset("w4a16-awq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping)", "int4-g64-asym",
+                algorithms={"awq": {}}),
+        _preset("w4a16-awq-gptq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales then GPTQ", "int4-g64-asym",
+                algorithms={"awq": {"clip": False}, "gptq": {}}),
+        _preset("w8a8-int8-sq-gptq", "W8A8 INT8 (per-channel / per-token dynamic), SmoothQuant 0.8 + GPTQ",
+                "int8-channel", "int8-token", algorithms={"smoothquant": {"alpha": 0.8}, "gptq": {}}),
+        _preset("w8a8-int8-static-sq", "W8A8 INT8 static per-tensor activations, SmoothQuant 0.8",
+                "int8-channel", "int8-tensor", algorithms={"smoothquant": {"alpha": 0.8}}),
+        _preset("nvfp4-gptq", "W4A4 NVFP4, GPTQ", "nvfp4", "nvfp4", algorithms={"gptq": {}}),
+        _preset("nvfp4-rot-gptq", "W4A4 NVFP4, Hadamard rotations + GPTQ", "nvfp4", "nvfp4",
+                algorithms={"rotation": {}, "gptq": {}}),
+        _preset("w8a8-int8-static-outliers", "W8A8 INT8 static per-tensor, outlier input channels kept in 16 bits",
+                "int8-channel", "int8-tensor", algorithms={"outliers": {"threshold": 6.0}}),
         _preset("kv-fp8", "KV cache FP8, calibrated per-tensor scales", kv={"scheme": "fp8-tensor"}),
         _preset("kv-fp8-k", "KV cache FP8, keys only", kv={"scheme": "fp8-tensor", "values": False}),
         _preset("kv-fp8-v", "KV cache FP8, values only", kv={"scheme": "fp8-tensor", "keys": False}),

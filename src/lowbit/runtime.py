@@ -27,19 +27,32 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class ActQuant:
-    """How one Linear's input is quantized: dynamic scales computed per call, or static
-    ``qparams`` from calibration; a two-level scheme keeps a calibrated global scale."""
+    """What happens to one Linear's input: an optional online rotation ``x ↦ x·R``
+    (QuaRot's Hadamard before down_proj), then quantization with ``scheme`` — dynamic
+    scales computed per call, or static ``qparams`` from calibration; a two-level scheme
+    keeps a calibrated global scale.  Channels in ``keep`` (LLM.int8()-style outliers)
+    pass through unquantized."""
 
-    scheme: Scheme
+    scheme: Scheme | None
     qparams: QParams | None = None
     global_scale: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is not None:
+            x = x @ self.rotation.to(x.dtype)
+        if self.scheme is None:
+            return x
         if self.qparams is not None:
-            return fake_quantize(x, self.scheme, self.qparams)
-        if self.global_scale is not None:
-            return fake_quantize(x, self.scheme, compute_qparams(x, self.scheme, self.global_scale))
-        return fake_quantize(x, self.scheme)
+            y = fake_quantize(x, self.scheme, self.qparams)
+        elif self.global_scale is not None:
+            y = fake_quantize(x, self.scheme, compute_qparams(x, self.scheme, self.global_scale))
+        else:
+            y = fake_quantize(x, self.scheme)
+        if self.keep is not None and self.keep.numel():
+            y[..., self.keep] = x[..., self.keep]
+        return y
 
 
 @dataclass
@@ -52,6 +65,7 @@ class QuantState:
     weight_schemes: dict[str, Scheme] = field(default_factory=dict)
     activations: dict[str, ActQuant] = field(default_factory=dict)
     kv: KVPlan | None = None
+    calibration: object | None = None  # the CalibStats static scales came from (layer-by-layer runs)
 
 
 @contextmanager

@@ -37,6 +37,7 @@ def gptq(
     act_order: bool = False,
     static_groups: bool = False,
     qparams_fn: QParamsFn | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> QTensor:
     """GPTQ (Frantar et al., ICLR 2023), Algorithm 1: quantize ``w`` column by column,
     spreading each column's rounding error over the columns not yet quantized so that
@@ -68,6 +69,8 @@ def gptq(
             is still an ordinary group-quantized tensor (no ``g_idx``).
         qparams_fn: how a column group's scales are chosen (see :data:`QParamsFn`);
             default min-max (:func:`lowbit.qtensor.compute_qparams`).
+        global_scale: for a scheme with a global scale, use this one (e.g. shared by
+            fused siblings) instead of computing it from ``w``.
 
     Returns:
         The :class:`QTensor` in storage (original column) order; ``dequantize`` of it is
@@ -104,7 +107,10 @@ def gptq(
     br, gc = gran.block_shape(rows, cols)
     br, gc = min(br, rows), min(gc, cols)                        # scale block: br rows × gc cols
     n_groups = math.ceil(cols / gc)
-    global_scale = compute_qparams(W, scheme).global_scale if scheme.global_scale else None
+    if not scheme.global_scale:
+        global_scale = None
+    elif global_scale is None:
+        global_scale = compute_qparams(W, scheme).global_scale
     observe = qparams_fn or (lambda wg, _cols, g: compute_qparams(wg, scheme, g))
 
     def group_columns(g: int) -> torch.Tensor:                   # storage indices of group g

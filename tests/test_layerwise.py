@@ -1,0 +1,120 @@
+"""The layer-by-layer pipeline on tiny models: calibration methods run, are exact where
+they must be, and reduce error where they should."""
+
+import pytest
+import torch
+
+import lowbit as lb
+from lowbit.calibrate import collect_stats
+from lowbit.evaluate import evaluate, reference_predictions
+from lowbit.layerwise import capture_inputs
+from lowbit.models import decoder_layers
+from lowbit.pipeline import quantize
+from lowbit.recipe import RECIPES, recipe_from_dict
+from lowbit.runtime import plain_forward, quantized_execution
+
+
+@pytest.fixture
+def calib():
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, 256, (8, 24), generator=g)
+
+
+def _kl(model, recipe, windows, calib, ref):
+    state = quantize(model, recipe, calibration=calib, progress=False)
+    with quantized_execution(model, state) as fwd:
+        return evaluate(fwd, windows, ref, progress=False).kl_mean, state
+
+
+def test_capture_inputs_reproduce_the_model(tiny_model, calib):
+    inputs, kwargs = capture_inputs(tiny_model, calib, batch=3)
+    assert sum(x.shape[0] for x in inputs) == len(calib)
+    # running the layers by hand on the captured inputs gives the model's final hidden states
+    h = inputs[0]
+    for i, layer in enumerate(decoder_layers(tiny_model)):
+        out = layer(h, **kwargs[i])
+        h = out[0] if isinstance(out, tuple) else out
+    with torch.no_grad():
+        want = tiny_model.model(input_ids=calib[:3]).last_hidden_state
+    assert torch.allclose(tiny_model.model.norm(h), want, atol=1e-5)
+
+
+def test_layerwise_minmax_equals_plain_rounding(tiny_llama, windows, calib):
+    import copy
+
+    a, b = copy.deepcopy(tiny_llama), copy.deepcopy(tiny_llama)
+    sa = quantize(a, RECIPES["w8a8-int8"], progress=False)
+    # a no-op rotation forces the layer-by-layer path; min-max weights do not depend on inputs
+    r = recipe_from_dict({"weights": "int8-channel", "inputs": "int8-token",
+                          "algorithms": {"rotation": {"residual": False, "down": False}, "batch": 3}})
+    assert r.algorithms.layerwise
+    sb = quantize(b, r, calibration=calib, progress=False)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    with quantized_execution(a, sa) as fa, quantized_execution(b, sb) as fb:
+        assert torch.equal(fa(windows[:1]), fb(windows[:1]))
+
+
+@pytest.mark.parametrize("name", ["w4a16-gptq-g64", "w4a16-awq-g64-asym", "w4a16-int4-g64-mse"])
+def test_calibration_methods_beat_rtn(tiny_llama, windows, calib, name):
+    import copy
+
+    ref = reference_predictions(plain_forward(tiny_llama), windows, k=256, progress=False)
+    base = RECIPES["w4a16-int4-g64-asym" if "asym" in name else "w4a16-int4-g64"]
+    rtn_kl, _ = _kl(copy.deepcopy(tiny_llama), base, windows, calib, ref)
+    kl, state = _kl(copy.deepcopy(tiny_llama), RECIPES[name], windows, calib, ref)
+    assert kl < rtn_kl
+    assert len(state.weight_schemes) == 14
+
+
+def test_smoothquant_gptq_w8a8_and_static_calibration(tiny_llama, windows, calib):
+    import copy
+
+    ref = reference_predictions(plain_forward(tiny_llama), windows, k=256, progress=False)
+    kl, state = _kl(copy.deepcopy(tiny_llama), RECIPES["w8a8-int8-sq-gptq"], windows, calib, ref)
+    assert kl < 0.05 and len(state.activations) == 14
+    kl_s, state_s = _kl(copy.deepcopy(tiny_llama), RECIPES["w8a8-int8-static-sq"], windows, calib, ref)
+    assert all(a.qparams is not None for a in state_s.activations.values())
+
+
+def test_rotation_is_exact_before_quantization(tiny_llama, windows, calib):
+    import copy
+
+    r = recipe_from_dict({"rules": [{"targets": ["nothing"], "weights": "int4-g64"}],
+                          "algorithms": {"rotation": {"seed": 1}}})
+    m = copy.deepcopy(tiny_llama)
+    state = quantize(m, r, calibration=calib, progress=False)
+    assert len(state.activations) == 2  # the online down_proj rotations of the two layers
+    with quantized_execution(m, state) as fwd:
+        got = fwd(windows[:1])
+    want = plain_forward(tiny_llama)(windows[:1])
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_rotation_helps_w4a4(tiny_llama, windows, calib):
+    import copy
+
+    # give the residual stream a few outlier channels, as real LLMs have
+    with torch.no_grad():
+        tiny_llama.model.embed_tokens.weight[:, :3] *= 30
+    ref = reference_predictions(plain_forward(tiny_llama), windows, k=256, progress=False)
+    r4 = recipe_from_dict({"weights": "int4-g64", "inputs": "int4-token"})
+    rot = recipe_from_dict({"weights": "int4-g64", "inputs": "int4-token", "algorithms": {"rotation": {}}})
+    plain_kl, _ = _kl(copy.deepcopy(tiny_llama), r4, windows, calib, ref)
+    rot_kl, _ = _kl(copy.deepcopy(tiny_llama), rot, windows, calib, ref)
+    assert rot_kl < plain_kl
+
+
+def test_outlier_channels_kept(tiny_llama, windows, calib):
+    import copy
+
+    ref = reference_predictions(plain_forward(tiny_llama), windows, k=256, progress=False)
+    r = recipe_from_dict({"weights": "int8-channel", "inputs": "int8-tensor", "algorithms": {"outliers": {"top_k": 4}}})
+    kl, state = _kl(copy.deepcopy(tiny_llama), r, windows, calib, ref)
+    a = state.activations["model.layers.0.mlp.down_proj"]
+    assert a.keep is not None and a.keep.numel() == 4
+
+
+def test_layerwise_needs_calibration(tiny_llama):
+    with pytest.raises(ValueError, match="needs calibration windows"):
+        quantize(tiny_llama, RECIPES["w4a16-gptq-g64"], progress=False)

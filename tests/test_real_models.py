@@ -1,0 +1,52 @@
+"""Slow tier: the real packaged SmolLM2-135M, a few evaluation windows of the wiki corpus.
+
+These load the model and corpus from the lowbit cache (fetched on first use).
+"""
+
+import math
+
+import pytest
+import torch
+
+from lowbit.compare import Workbench
+from lowbit.recipe import RECIPES
+
+pytestmark = pytest.mark.slow
+
+WINDOWS = 4
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return Workbench.load("smollm2-135m", corpus="wiki", windows=WINDOWS, calib_windows=8, progress=False)
+
+
+def test_reference_perplexity_matches_a_plain_transformers_loop(bench):
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in bench.windows:
+            out = bench.model(w[None], labels=w[None])
+            nll += out.loss.item() * (len(w) - 1)
+            n += len(w) - 1
+    plain = math.exp(nll / n)
+    ours = bench.reference_row().eval.ppl
+    assert f"{ours:.4g}" == f"{plain:.4g}"
+    assert 5 < ours < 60  # a real language model on real prose
+
+
+def test_fp8_w8a8_stays_within_a_few_percent(bench):
+    row = bench.run(RECIPES["fp8-dynamic"])
+    assert abs(row.eval.delta_pct) < 5
+    assert row.eval.top1 > 0.85
+
+
+def test_int4_per_tensor_is_clearly_worse_than_int4_g64(bench):
+    per_tensor = bench.run(RECIPES["w4a16-int4-tensor"]).eval
+    g64 = bench.run(RECIPES["w4a16-int4-g64"]).eval
+    assert per_tensor.ppl > 2 * g64.ppl
+    assert per_tensor.kl_mean > 3 * g64.kl_mean
+
+
+def test_fp8_kv_cache_costs_little(bench):
+    row = bench.run(RECIPES["kv-fp8"])
+    assert abs(row.eval.delta_pct) < 2 and row.eval.kl_mean < 0.02
