@@ -375,12 +375,52 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
                       f"provide it ({exc}). Offline, use `lowbit assets fetch smollm2-135m`.") from exc
     tokenizer = AutoTokenizer.from_pretrained(source)
     needs_bos = _needs_bos(config.model_type, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
+    if _quant_method(config) == "compressed-tensors" and isinstance(source, Path):
+        model = _load_compressed_tensors(source, config, dtype).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     model.eval().requires_grad_(False)
     if not isinstance(source, Path):
         from transformers.utils import cached_file
         source = Path(cached_file(name_or_path, "config.json")).parent
     return model, tokenizer, ModelInfo(name, source, needs_bos, _reference_note(source, config))
+
+
+def _quant_method(config) -> str | None:
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    return quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+
+
+def _load_compressed_tensors(folder: Path, config, dtype: torch.dtype):
+    """A compressed-tensors folder (lowbit's or another tool's), every weight decompressed
+    by compressed-tensors itself into a plain model of the same architecture.
+
+    Weights only: the activation and KV schemes the config declares are not run (the
+    transformers integration that would run them fails on CPU for asymmetric INT4 and
+    FP4 in the versions tested; see docs/export.md).
+    """
+    import copy
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from .export.checkpoint import read_into
+
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    model = AutoModelForCausalLM.from_config(plain, dtype=dtype)
+    if getattr(plain, "tie_word_embeddings", False):
+        model.tie_weights()
+    read_into(model, folder)
+    qc = config.quantization_config
+    groups = qc.get("config_groups", {}) if isinstance(qc, dict) else {}
+    if any(g.get("input_activations") for g in groups.values()) or (isinstance(qc, dict) and qc.get("kv_cache_scheme")):
+        warnings.warn(f"{folder}: evaluating the stored weights only; the checkpoint's activation / KV-cache "
+                      "quantization is not applied", stacklevel=3)
+    model.config.quantization_config = qc
+    return model
 
 
 def _reference_note(folder: Path, config) -> str:

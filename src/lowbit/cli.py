@@ -206,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     _eval_options(k, windows=32)
     k.set_defaults(func=cmd_kv_stats)
 
+    from .export.commands import register as register_export
     from .sim.commands import register as register_sim
 
+    register_export(sub)
     register_sim(sub)
     return p
 

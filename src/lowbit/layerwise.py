@@ -18,6 +18,7 @@ Only one layer's inputs, outputs and statistics are alive at a time.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 class _Stop(Exception):
     """Raised by a hook to end a forward pass early."""
+
+
+def _stop(module, args):
+    raise _Stop
 
 
 def _layer_out(out):
@@ -195,6 +200,7 @@ def quantize_layerwise(
         total = sum(x.shape[0] * x.shape[1] for x in inputs)
         sample_every = max(1, total // tokens)
     siblings = sibling_groups(model)
+    times = {"statistics": 0.0, "balancing": 0.0, "weights": 0.0, "propagation": 0.0}
 
     for i in progress_bar(range(len(layers)), f"quantizing {recipe.name} layer by layer", enabled=progress):
         layer = layers[i]
@@ -211,18 +217,28 @@ def quantize_layerwise(
             return hook
 
         obs = KVObserver()
+        t_s = time.perf_counter()
         with quantized_activations(model, rot_only):
             handles = [modules[n].register_forward_pre_hook(hook_for(n)) for n in istats]
+            # down_proj is the last Linear to run: once its input is recorded, the rest of
+            # the layer's work would be thrown away
+            handles.append(modules[f"{prefix}.{arch.down}"].register_forward_pre_hook(_stop))
             try:
                 for h in inputs:
                     kw = dict(layer_kwargs[i])
                     kw[kw_cache] = make_cache(model.config, obs.on_write)
-                    layer(h, **kw)
+                    try:
+                        layer(h, **kw)
+                    except _Stop:
+                        pass
             finally:
                 for hd in handles:
                     hd.remove()
 
+        times["statistics"] += time.perf_counter() - t_s
+
         # (b) balancing
+        t_b = time.perf_counter()
         if algo.smoothquant is not None or awq_cfg is not None:
             for prev, prev_name, nexts, next_names in balance_groups(model, i, arch):
                 quantized = [n for n in next_names if n in plan and plan[n][0] is not None]
@@ -240,24 +256,28 @@ def quantize_layerwise(
                 off = arch.norm_offset if not isinstance(prev, nn.Linear) else 0.0
                 balance(prev, nexts, s, norm_offset=off)
                 st.scale_inputs(s)
+        times["balancing"] += time.perf_counter() - t_b
 
-        # (c) weights
+        # (c) weights; linears that read one input share its Hessian and run as one GPTQ call
+        t_w = time.perf_counter()
         shared = shared_global_scales(modules, plan, siblings)
-        for n in lnames:
-            if n not in plan or plan[n][0] is None:
-                continue
-            scheme = plan[n][0]
-            st = istats[leader[n]]
-            w = modules[n].weight.detach().float()
-            qt = _quantize_weight(w, scheme, st, algo, shared.get(n))
-            if isinstance(qt, QTensor):
-                new = dequantize(qt)
-                if keep_qtensors:
-                    state.weights[n] = qt
-            else:
-                new = qt
-            modules[n].weight.copy_(new.to(modules[n].weight.dtype))
-            state.weight_schemes[n] = scheme
+        todo = [n for n in lnames if n in plan and plan[n][0] is not None]
+        for batch_names in _weight_batches(todo, leader, plan, algo, modules):
+            scheme = plan[batch_names[0]][0]
+            st = istats[leader[batch_names[0]]]
+            ws = [modules[n].weight.detach().float() for n in batch_names]
+            results = _split(_quantize_weight(torch.cat(ws), scheme, st, algo, shared.get(batch_names[0])),
+                             [w.shape[0] for w in ws])
+            for n, qt in zip(batch_names, results):
+                if isinstance(qt, QTensor):
+                    new = dequantize(qt)
+                    if keep_qtensors:
+                        state.weights[n] = qt
+                else:
+                    new = qt
+                modules[n].weight.copy_(new.to(modules[n].weight.dtype))
+                state.weight_schemes[n] = scheme
+        times["weights"] += time.perf_counter() - t_w
 
         # statistics for static activation and KV scales, after balancing
         for n in lnames:
@@ -268,8 +288,10 @@ def quantize_layerwise(
         state.activations.update(layer_acts)
 
         # (d) the quantized layer produces the next layer's inputs
+        t_p = time.perf_counter()
         with quantized_activations(model, layer_acts):
             inputs = [_layer_out(layer(h, **layer_kwargs[i])) for h in inputs]
+        times["propagation"] += time.perf_counter() - t_p
         del istats
 
     stats.tokens = int(calibration.numel())
@@ -277,7 +299,33 @@ def quantize_layerwise(
         state.activations.setdefault(n, ActQuant(None, rotation=H))
     state.kv = kv_plan_from(recipe, stats)
     state.calibration = stats
+    log.info("layer by layer (%s): %s", recipe.name, ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     return state
+
+
+def _weight_batches(names: list[str], leader: dict[str, str], plan, algo, modules) -> list[list[str]]:
+    """Linears quantized in one call: with GPTQ, those that read the same input and use
+    the same scheme, when their scale blocks are one row high (so that stacking rows
+    changes no scale); every other linear alone."""
+    batches: dict[tuple, list[str]] = {}
+    for n in names:
+        scheme = plan[n][0]
+        stackable = algo.gptq is not None and algo.outliers is None and scheme.granularity.kind in ("channel", "group")
+        key = (leader[n], scheme) if stackable else (n,)
+        batches.setdefault(key, []).append(n)
+    return list(batches.values())
+
+
+def _split(q, rows: list[int]):
+    """Split a quantized stack of weights back into its members."""
+    if len(rows) == 1:
+        return [q]
+    if not isinstance(q, QTensor):
+        return list(torch.split(q, rows))
+    codes = torch.split(q.codes, rows)
+    scales = torch.split(q.scale, rows)
+    zeros = torch.split(q.zero, rows) if q.zero is not None else [None] * len(rows)
+    return [QTensor(c, s, z, q.global_scale, q.scheme) for c, s, z in zip(codes, scales, zeros)]
 
 
 def _keep_channels(algo, stats: CalibStats, lnames: list[str], plan) -> dict[str, torch.Tensor]:

@@ -274,7 +274,8 @@ def read_into(model: nn.Module, folder: Path) -> nn.Module:
         stored = {k: f.get_tensor(k) for k in f.keys()}
     params = dict(model.named_parameters())
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or f"{name}.weight" in stored or name in parsed.ignore:
+        # a quantized Linear always stores a weight scale (its "weight", if any, holds codes)
+        if not isinstance(mod, nn.Linear) or f"{name}.weight_scale" not in stored or name in parsed.ignore:
             continue
         local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
         if not local:
@@ -323,15 +324,17 @@ def quantize_to_folder(
     out = Path(out)
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it")
+    calibrate = r.needs_calibration or r.algorithms.layerwise
     bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
-                           calib_windows=calib_windows if r.needs_calibration else 0, seed=seed, cache=cache,
+                           calib_windows=calib_windows if calibrate else 0, seed=seed, cache=cache,
                            progress=progress)
     shapes = _linear_shapes(bench.model)
     check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
     if evaluate:
         bench.reference  # from the unquantized model, before it is quantized in place
-    stats = bench.stats if r.needs_calibration else None
-    state = _quantize(bench.model, r, stats, progress)
+    layerwise = r.algorithms.layerwise
+    stats = bench.stats if r.needs_calibration and not layerwise else None
+    state = _quantize(bench.model, r, stats, progress, bench.calib_windows if layerwise else None)
 
     def _evaluate(folder: Path) -> dict:
         written = read_into(copy.deepcopy(bench.model), folder)
@@ -344,7 +347,7 @@ def quantize_to_folder(
                   force=force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
 
 
-def _quantize(model: nn.Module, recipe, stats, progress: bool) -> QuantState:
+def _quantize(model: nn.Module, recipe, stats, progress: bool, calibration=None) -> QuantState:
     from ..pipeline import quantize
 
-    return quantize(model, recipe, stats, keep_qtensors=True, progress=progress)
+    return quantize(model, recipe, stats, keep_qtensors=True, progress=progress, calibration=calibration)

@@ -163,6 +163,17 @@ def check_recipe(recipe: Recipe) -> None:
             raise UnsupportedScheme(f"recipe {recipe.name!r}, rule {list(r.targets)}: {e}") from None
     if recipe.kv_cache is not None:
         kv_args(recipe.kv_cache)
+    algo = recipe.algorithms
+    if algo.rotation is not None:
+        raise UnsupportedScheme(
+            f"recipe {recipe.name!r}: rotations need an online Hadamard transform (down_proj inputs) and an "
+            "untied lm_head, which this exporter does not write yet; export the recipe without `rotation`"
+        )
+    if algo.outliers is not None:
+        raise UnsupportedScheme(
+            f"recipe {recipe.name!r}: outlier channels kept in 16 bits (LLM.int8()-style) have no compressed-tensors "
+            "layout; they are for accuracy comparisons only"
+        )
 
 
 def kv_args(kv: KVConfig) -> dict:
