@@ -14,7 +14,7 @@ import torch
 from ..granularity import block, blocked, unblocked
 from ..qtensor import QParams, _check_finite, fake_quantize
 from ..scheme import Scheme
-from .rtn import clip_ratios
+from .rtn import _BestPerBlock, clip_ratios
 
 __all__ = ["awq_scales", "awq_clip", "OutFn"]
 
@@ -141,22 +141,15 @@ def awq_clip(
 
     xg = _column_groups(xe, gc)                                              # (C, t, gc)
     ref = torch.bmm(xg, _column_groups(wf, gc).transpose(1, 2))              # (C, t, out) partial outputs
-    best_err = best_scale = best_zero = None
+    best = _BestPerBlock()
     for r in clip_ratios(grid, max_shrink):
         scale, zero = scheme.scales_from_range(lo * r, hi * r, g)
         q = fake_quantize(wf, scheme, QParams(scale, zero, g))               # (out, in)
         d = torch.bmm(xg, _column_groups(q, gc).transpose(1, 2)).sub_(ref)  # (C, t, out)
         per_row = d.pow_(2).sum(dim=1).T                                     # (out, C)
         err = blocked(per_row, block(br, 1)).sum(dim=(1, 3))              # (R, C)
-        if best_err is None:
-            best_err, best_scale, best_zero = err, scale, zero
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        if zero is not None:
-            best_zero = torch.where(better, zero, best_zero)
-    return QParams(best_scale, best_zero, g)
+        best.offer(err, scale, zero)
+    return QParams(best.scale, best.zero, g)
 
 
 def _check_inputs(x: torch.Tensor, weights: list[torch.Tensor], what: str) -> torch.Tensor:

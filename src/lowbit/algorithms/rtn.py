@@ -26,6 +26,27 @@ def clip_ratios(grid: int, max_shrink: float) -> list[float]:
     return [1.0 - k / grid for k in range(steps + 1)]
 
 
+class _BestPerBlock:
+    """The running best of a clipping search, block by block: :meth:`offer` takes a
+    candidate's per-block error and its ``(scale, zero)`` and keeps them where the error
+    is strictly smaller than the best so far (so ties keep the earlier candidate)."""
+
+    __slots__ = ("err", "scale", "zero")
+
+    def __init__(self) -> None:
+        self.err = self.scale = self.zero = None
+
+    def offer(self, err: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
+        if self.err is None:
+            self.err, self.scale, self.zero = err, scale, zero
+            return
+        better = err < self.err
+        self.err = torch.where(better, err, self.err)
+        self.scale = torch.where(better, scale, self.scale)
+        if zero is not None:
+            self.zero = torch.where(better, zero, self.zero)
+
+
 def mse_qparams(
     w: torch.Tensor,
     scheme: Scheme,
@@ -86,7 +107,7 @@ def mse_qparams(
             raise ValueError(f"mse_qparams: importance must be ({cols},) finite and non-negative, got {tuple(importance.shape)}")
         weight = blocked(imp.expand(rows, cols), gran)                       # (R, br, C, bc)
 
-    best_err = best_scale = best_zero = None
+    best = _BestPerBlock()
     for r in clip_ratios(grid, max_shrink):
         scale, zero = scheme.scales_from_range(lo * r, hi * r, g)
         q = matrix_view(fake_quantize(w.detach().to(torch.float32), scheme, QParams(scale, zero, g)), gran)
@@ -94,12 +115,5 @@ def mse_qparams(
         if weight is not None:
             e = e.mul_(weight)
         err = e.sum(dim=(1, 3))                                              # (R, C)
-        if best_err is None:
-            best_err, best_scale, best_zero = err, scale, zero
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        if zero is not None:
-            best_zero = torch.where(better, zero, best_zero)
-    return QParams(best_scale, best_zero, g)
+        best.offer(err, scale, zero)
+    return QParams(best.scale, best.zero, g)
