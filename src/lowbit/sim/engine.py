@@ -171,6 +171,23 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
         goodput = stop.percentile is None
     stopped = False
 
+    def retire(fin: np.ndarray) -> bool:
+        """Requests ``fin`` finished at ``now``: record their finish time and, unless the
+        early-stop rule now says the SLO is lost (then returns ``True``, the run stops),
+        free their KV blocks and drop them from ``running``."""
+        nonlocal free, done, running, late_tpot
+        finish[fin] = now
+        if stop is not None:
+            late_tpot += _tpot_misses(fin, now, first, output, tpot_t, bad)
+            if late_ttft >= k_ttft or late_tpot >= k_tpot or (goodput and int(bad.sum()) >= k_bad):
+                return True
+        free += int(blocks[fin].sum())
+        blocks[fin] = 0
+        done += len(fin)
+        gone = set(fin.tolist())
+        running = [r for r in running if r not in gone]
+        return False
+
     for _ in range(max_steps):
         if done == n:
             break
@@ -197,18 +214,9 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
                 step_end.extend(step_ends.tolist())
                 step_tokens.extend([len(ids)] * k)
                 fin = ids[generated[ids] >= output[ids]]
-                if len(fin):
-                    finish[fin] = now
-                    if stop is not None:
-                        late_tpot += _tpot_misses(fin, now, first, output, tpot_t, bad)
-                        if late_ttft >= k_ttft or late_tpot >= k_tpot or (goodput and int(bad.sum()) >= k_bad):
-                            stopped = True
-                            break
-                    free += int(blocks[fin].sum())
-                    blocks[fin] = 0
-                    done += len(fin)
-                    gone = set(fin.tolist())
-                    running = [r for r in running if r not in gone]
+                if len(fin) and retire(fin):
+                    stopped = True
+                    break
                 continue
         budget = max_tok
         preempted = False
@@ -295,18 +303,9 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
                         break
             last_emit[em] = now
             fin = em[g >= output[em]]
-            if len(fin):
-                finish[fin] = now
-                if stop is not None:
-                    late_tpot += _tpot_misses(fin, now, first, output, tpot_t, bad)
-                    if late_ttft >= k_ttft or late_tpot >= k_tpot or (goodput and int(bad.sum()) >= k_bad):
-                        stopped = True
-                        break
-                free += int(blocks[fin].sum())
-                blocks[fin] = 0
-                done += len(fin)
-                gone = set(fin.tolist())
-                running = [r for r in running if r not in gone]
+            if len(fin) and retire(fin):
+                stopped = True
+                break
     else:
         raise RuntimeError(f"simulate: gave up after {max_steps} steps ({done}/{n} requests finished)")
 
