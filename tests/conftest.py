@@ -49,3 +49,26 @@ def tiny_model(request):
 def windows():
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, 256, (6, 24), generator=g)
+
+
+def _byte_bpe_tokenizer(texts: list[str], add_bos: bool = False):
+    """A byte-level BPE tokenizer (``tokenizers.Tokenizer``, vocabulary 300 with ``<unk> <s> </s>``)
+    trained on ``texts``; with ``add_bos`` its post-processor prepends ``<s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+@pytest.fixture(scope="session")
+def byte_bpe_tokenizer():
+    """The builder ``byte_bpe_tokenizer(texts, add_bos=False)`` of a small trained tokenizer."""
+    return _byte_bpe_tokenizer

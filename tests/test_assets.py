@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -284,28 +285,19 @@ def test_check_file_names_size_and_hash(tmp_path):
         assets._check_file(f, 3, "0" * 64)
 
 
-def _tiny_tokenizer(add_bos: bool = False):
-    """A byte-level BPE tokenizer trained on a few sentences (what GGUF 'gpt2' tokenizers are)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(["the cat sat on the mat.\n\nA dog ran far away, and the cat sat."] * 3,
-                            trainer)
-    if add_bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return tok
+@pytest.fixture(scope="module")
+def tiny_tokenizer(byte_bpe_tokenizer):
+    """``tiny_tokenizer(add_bos=False)``: a byte-level BPE tokenizer trained on a few sentences
+    (what GGUF 'gpt2' tokenizers are)."""
+    return functools.partial(
+        byte_bpe_tokenizer, ["the cat sat on the mat.\n\nA dog ran far away, and the cat sat."] * 3)
 
 
-def _write_tiny_gguf(path: Path) -> None:
+def _write_tiny_gguf(path: Path, tokenizer) -> None:
     """A 2-layer Llama GGUF in F32 with a tied embedding and an embedded tokenizer."""
     import gguf
 
-    spec = json.loads(_tiny_tokenizer().to_str())["model"]
+    spec = json.loads(tokenizer.to_str())["model"]
     tokens = [t for t, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])]
     merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
     vocab, hidden, ffn, layers, heads, kv_heads = len(tokens), 32, 64, 2, 4, 2
@@ -352,9 +344,9 @@ def _write_tiny_gguf(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
+def tiny_gguf(tmp_path_factory, tiny_tokenizer) -> Path:
     path = tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"
-    _write_tiny_gguf(path)
+    _write_tiny_gguf(path, tiny_tokenizer())
     return path
 
 
@@ -421,13 +413,13 @@ def test_fetch_model_locates_checks_converts_once(tiny_gguf, tmp_path, monkeypat
     assert not (tmp_path / "cache2" / "models" / "tiny").exists()
 
 
-def _tiny_folder(tmp_path: Path, config, add_bos: bool = False) -> Path:
+def _tiny_folder(tmp_path: Path, config, tokenizer) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     folder = tmp_path / config.model_type
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=_tiny_tokenizer(add_bos), bos_token="<s>",
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
                             eos_token="</s>").save_pretrained(folder)
     return folder
 
@@ -440,27 +432,28 @@ def _llama_config(**kw):
 
 
 @pytest.mark.parametrize("add_bos", [False, True])
-def test_load_folder_needs_bos_from_tokenizer_for_llama(tmp_path, add_bos):
-    folder = _tiny_folder(tmp_path, _llama_config(), add_bos=add_bos)
+def test_load_folder_needs_bos_from_tokenizer_for_llama(tmp_path, add_bos, tiny_tokenizer):
+    folder = _tiny_folder(tmp_path, _llama_config(), tiny_tokenizer(add_bos))
     model, _, info = load_model(str(folder), dtype=torch.bfloat16)
     assert info.needs_bos is add_bos  # Llama 3's tokenizer prepends BOS; SmolLM2's does not
     assert info.reference_note == "" and info.path == folder
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
-def test_load_folder_gemma3_needs_bos(tmp_path):
+def test_load_folder_gemma3_needs_bos(tmp_path, tiny_tokenizer):
     from transformers import Gemma3TextConfig
 
     config = Gemma3TextConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                               head_dim=16)
-    assert load_model(str(_tiny_folder(tmp_path, config)))[2].needs_bos is True
+    assert load_model(str(_tiny_folder(tmp_path, config, tiny_tokenizer())))[2].needs_bos is True
 
 
-def test_load_unsupported_architecture_names_it(tmp_path):
+def test_load_unsupported_architecture_names_it(tmp_path, tiny_tokenizer):
     from transformers import GPT2Config
 
-    folder = _tiny_folder(tmp_path, GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2))
+    config = GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2)
+    folder = _tiny_folder(tmp_path, config, tiny_tokenizer())
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         load_model(str(folder))
 

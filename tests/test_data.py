@@ -16,19 +16,11 @@ def _docs(n: int) -> list[Document]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def tokenizer(byte_bpe_tokenizer):
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(["Document number 1. The cat sat on the mat.\n\n"] * 4, trainer)
     # Prepends BOS by default, so the tests see that token_stream asks for no special tokens.
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = byte_bpe_tokenizer(["Document number 1. The cat sat on the mat.\n\n"] * 4, add_bos=True)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
