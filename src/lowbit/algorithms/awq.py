@@ -14,7 +14,7 @@ import torch
 from ..granularity import block, blocked, unblocked
 from ..qtensor import QParams, _check_finite, fake_quantize
 from ..scheme import Scheme
-from .rtn import _BestPerBlock, clip_ratios
+from .rtn import _BestPerBlock, _block_range, clip_ratios
 
 __all__ = ["awq_scales", "awq_clip", "OutFn"]
 
@@ -130,14 +130,7 @@ def awq_clip(
     br, gc = min(br, rows), min(gc, cols)
     xe = _subsample(xf, n_tokens, seed)                                      # (t, in)
 
-    b = blocked(wf, gran)                                                    # (R, br, C, bc)
-    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
-    if scheme.symmetric:
-        hi = torch.maximum(-lo, hi)
-        lo = -hi
-    if scheme.global_scale and global_scale is None:
-        global_scale = scheme.global_scale_from_amax(hi.max())
-    g = global_scale if scheme.global_scale else None
+    lo, hi, g = _block_range(wf, scheme, global_scale)                       # (R, C)
 
     xg = _column_groups(xe, gc)                                              # (C, t, gc)
     ref = torch.bmm(xg, _column_groups(wf, gc).transpose(1, 2))              # (C, t, out) partial outputs

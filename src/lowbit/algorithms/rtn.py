@@ -26,6 +26,23 @@ def clip_ratios(grid: int, max_shrink: float) -> list[float]:
     return [1.0 - k / grid for k in range(steps + 1)]
 
 
+def _block_range(
+    m: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The min-max range a clipping search shrinks: per block of ``scheme``'s granularity
+    of the ``(rows, cols)`` matrix ``m``, ``(lo, hi)`` of shape ``(R, C)`` (symmetric
+    schemes: ``±max|·|``), and the global scale for two-level schemes (``global_scale``,
+    else computed from ``m`` as min-max does; ``None`` for one-level schemes)."""
+    b = blocked(m, scheme.granularity)                                       # (R, br, C, bc)
+    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
+    if scheme.symmetric:
+        hi = torch.maximum(-lo, hi)
+        lo = -hi
+    if scheme.global_scale and global_scale is None:
+        global_scale = scheme.global_scale_from_amax(hi.max())
+    return lo, hi, (global_scale if scheme.global_scale else None)
+
+
 class _BestPerBlock:
     """The running best of a clipping search, block by block: :meth:`offer` takes a
     candidate's per-block error and its ``(scale, zero)`` and keeps them where the error
@@ -90,14 +107,7 @@ def mse_qparams(
     rows, cols = matrix_shape(tuple(w.shape), gran)
     _check_finite(w, "mse_qparams")
     m = matrix_view(w.detach(), gran).to(torch.float32)                      # (rows, cols)
-    b = blocked(m, gran)                                                     # (R, br, C, bc)
-    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
-    if scheme.symmetric:
-        hi = torch.maximum(-lo, hi)
-        lo = -hi
-    if scheme.global_scale and global_scale is None:
-        global_scale = scheme.global_scale_from_amax(hi.max())
-    g = global_scale if scheme.global_scale else None
+    lo, hi, g = _block_range(m, scheme, global_scale)                        # (R, C)
 
     if importance is None:
         weight = None
