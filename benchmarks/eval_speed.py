@@ -56,8 +56,8 @@ def main() -> None:
           f"best of {args.rounds} alternating rounds")
     for k in ("plain", "lowbit"):
         print(f"  {k:<7} {best[k]:7.2f} s  {tokens / best[k]:7.0f} tokens/s  perplexity {ppl[k]:.4g}")
-    print(f"  speed-up {best['plain'] / best['lowbit']:.2f}x; perplexities agree to 4 significant digits: "
-          f"{f'{ppl['plain']:.4g}' == f'{ppl['lowbit']:.4g}'}")
+    same = format(ppl["plain"], ".4g") == format(ppl["lowbit"], ".4g")
+    print(f"  speed-up {best['plain'] / best['lowbit']:.2f}x; perplexities agree to 4 significant digits: {same}")
 
 
 if __name__ == "__main__":
