@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-run llm-compressor's AWQ (~42 min here); default: show the issue's recorded figure")
     ap.add_argument("--llmc-python", default=DEFAULT_LLMC_PYTHON)
     ap.add_argument("--json", type=Path, help="write results here (rewritten after every configuration)")
+    ap.add_argument("--resume", type=Path,
+                    help="a --json file of an earlier (interrupted) run: its finished configurations are kept and "
+                         "not re-run (rows from different runs ran under different machine load)")
     ap.add_argument("--workdir", type=Path, help="temp folder for checkpoints and worker logs (kept)")
     ap.add_argument("--_worker", nargs=4, metavar=("RECIPE", "MODEL", "CALIB", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -322,12 +325,23 @@ def main(argv: list[str] | None = None) -> int:
             "windows": list(wb.windows.shape), "calib": list(wb.calib_windows.shape), "reference_ppl": ref.ppl,
             "llmc_python": a.llmc_python if llmc_ok else None}
     results = []
+    if a.resume and a.resume.exists():
+        old = json.loads(a.resume.read_text())
+        for r in old["results"]:
+            if r["key"] in keys and not (r.get("lowbit") or {}).get("error") and not (r.get("llmc") or {}).get("error"):
+                r["resumed_from"] = f"{a.resume} ({old['meta']['date']})"
+                results.append(r)
+        meta["resumed"] = [r["key"] for r in results]
+        if results:
+            print(f"resumed from {a.resume}: {', '.join(meta['resumed'])}", flush=True)
 
     def dump():
         if a.json:
             a.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 
     for key in keys:
+        if key in meta.get("resumed", []):
+            continue
         cfg = BY_KEY[key]
         r = {"key": key, "label": cfg.label, "lowbit_recipe": cfg.lowbit, "group": cfg.group}
         t0 = time.perf_counter()
@@ -367,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    llmc note: {lc['note']}", flush=True)
 
     meta["total_seconds"] = time.perf_counter() - t_start
+    results.sort(key=lambda r: keys.index(r["key"]))
     dump()
     print()
     print(f"{wb.info.name}: reference PPL {ref.ppl:.3f} (CI {ref.ppl_ci[0]:.2f}–{ref.ppl_ci[1]:.2f}), "
