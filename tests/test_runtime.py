@@ -188,3 +188,40 @@ def test_cached_keys_carry_rope(tiny_llama):
     k0 = raw[0][0][0, 0]  # (seq, dim) of head 0, layer 0
     assert not torch.allclose(k0[0], k0[5])
     assert torch.allclose(k0[0].norm(), k0[5].norm(), rtol=1e-4)  # a rotation keeps the norm
+
+
+def _tiny(kind):
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    if kind == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**common)).eval()  # q/k/v biases
+    if kind == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=16, **common)).eval()  # QK-norm
+    return T.MistralForCausalLM(T.MistralConfig(head_dim=16, **common)).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
+def test_other_families_quantize_with_kv_and_calibration_methods(kind, windows):
+    import copy
+
+    from lowbit.recipe import recipe_from_dict
+
+    model = _tiny(kind)
+    ids = windows[:1]
+    want = plain_forward(model)(ids)
+    stats = collect_stats(model, windows, progress=False)
+    m = copy.deepcopy(model)
+    state = quantize(m, recipe_from_dict({"weights": "fp8-channel", "inputs": "fp8-token",
+                                          "kv_cache": {"scheme": "fp8-tensor"}}), stats, progress=False)
+    with quantized_execution(m, state) as fwd:
+        got = fwd(ids)
+    assert not torch.equal(got, want) and torch.allclose(got, want, atol=0.1)
+    # residual and down_proj rotations stay exact (biases on q/k/v included)
+    m = copy.deepcopy(model)
+    r = recipe_from_dict({"rules": [{"targets": ["none"], "weights": "int4-g64"}], "algorithms": {"rotation": {}}})
+    state = quantize(m, r, calibration=windows, progress=False)
+    with quantized_execution(m, state) as fwd:
+        assert torch.allclose(fwd(ids), want, atol=1e-4)
