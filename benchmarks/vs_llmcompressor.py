@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.resume and a.resume.exists():
         old = json.loads(a.resume.read_text())
         for r in old["results"]:
-            if r["key"] in keys and not (r.get("lowbit") or {}).get("error") and not (r.get("llmc") or {}).get("error"):
+            failed = (r.get("lowbit") or {}).get("error") or (r.get("llmc") or {}).get("error")
+            if r["key"] in keys and not r.get("partial") and not failed:
                 r["resumed_from"] = f"{a.resume} ({old['meta']['date']})"
                 results.append(r)
         meta["resumed"] = [r["key"] for r in results]
@@ -343,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         if key in meta.get("resumed", []):
             continue
         cfg = BY_KEY[key]
-        r = {"key": key, "label": cfg.label, "lowbit_recipe": cfg.lowbit, "group": cfg.group}
+        r = {"key": key, "label": cfg.label, "lowbit_recipe": cfg.lowbit, "group": cfg.group, "partial": True}
+        results.append(r)  # dumped after each side, so that an interrupted run keeps what it measured
         t0 = time.perf_counter()
         # lowbit
         hand = work / f"{key}.lowbit.pt"
@@ -357,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{key}] lowbit failed: {e}", file=sys.stderr, flush=True)
         finally:
             hand.unlink(missing_ok=True)
+        dump()
         # llm-compressor
         if cfg.llmc and llmc_ok and (cfg.llmc != "w4a16-awq-g64-asym" or a.llmc_awq):
             folder = work / f"{key}.llmc"
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             r["llmc"] = dict(RECORDED_LLMC_AWQ, note="recorded in issue 6, not re-run (pass --llmc-awq to re-run)")
         r["verdict"] = verdict(cfg, r.get("lowbit"), r.get("llmc"))
         r["wall_seconds"] = time.perf_counter() - t0
-        results.append(r)
+        del r["partial"]
         dump()
         lb, lc = r.get("lowbit") or {}, r.get("llmc") or {}
         print(f"[{key}] {r['wall_seconds']:.0f} s | lowbit " + " ".join(_fmt_side(lb if lb else None))
