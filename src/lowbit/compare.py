@@ -166,22 +166,28 @@ class Workbench:
     def _key(self, *extra) -> str:
         return _digest(model_fingerprint(self.info), *extra)
 
+    def _cached(self, stage: str, path: Path, load, compute):
+        """``load(path)`` if the file exists, else ``compute()`` and save it; the time goes
+        to ``stage`` (or ``stage (cached)``)."""
+        t0 = time.perf_counter()
+        if path.exists():
+            value = load(path)
+            self.stage_seconds[f"{stage} (cached)"] = time.perf_counter() - t0
+            return value
+        value = compute()
+        value.save(path)
+        self.stage_seconds[stage] = time.perf_counter() - t0
+        log.info("%s: done in %.0f s (cached at %s)", stage, self.stage_seconds[stage], path)
+        return value
+
     @property
     def reference(self) -> Reference:
         if self._reference is None:
             path = self.cache / "references" / f"{self.info.name}-{self._key(self.windows, self.kl_topk)}.safetensors"
-            t0 = time.perf_counter()
-            if path.exists():
-                self._reference = Reference.load(path)
-                self.stage_seconds["reference (cached)"] = time.perf_counter() - t0
-            else:
-                self._reference = reference_predictions(
-                    plain_forward(self.model), self.windows, self.kl_topk, progress=self.progress
-                )
-                self._reference.save(path)
-                self.stage_seconds["reference"] = time.perf_counter() - t0
-                log.info("reference: %d windows in %.0f s (cached at %s)", len(self.windows),
-                         self.stage_seconds["reference"], path)
+            self._reference = self._cached(
+                "reference", path, Reference.load,
+                lambda: reference_predictions(plain_forward(self.model), self.windows, self.kl_topk, progress=self.progress),
+            )
         return self._reference
 
     @property
@@ -190,15 +196,10 @@ class Workbench:
             if len(self.calib_windows) == 0:
                 raise ValueError("this configuration needs calibration data; use --calib-windows > 0")
             path = self.cache / "calibration" / f"{self.info.name}-{self._key(self.calib_windows)}.safetensors"
-            t0 = time.perf_counter()
-            if path.exists():
-                self._stats = CalibStats.load(path)
-                self.stage_seconds["calibration (cached)"] = time.perf_counter() - t0
-            else:
-                self._stats = collect_stats(self.model, self.calib_windows, progress=self.progress)
-                self._stats.save(path)
-                self.stage_seconds["calibration"] = time.perf_counter() - t0
-                log.info("calibration: %d windows in %.0f s", len(self.calib_windows), self.stage_seconds["calibration"])
+            self._stats = self._cached(
+                "calibration", path, CalibStats.load,
+                lambda: collect_stats(self.model, self.calib_windows, progress=self.progress),
+            )
         return self._stats
 
     def reference_row(self) -> Row:

@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from .scheme import Scheme, scheme_from_dict
+from .validate import check_keys
 
 __all__ = ["Rule", "KVConfig", "Recipe", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
 
@@ -136,14 +137,14 @@ _ALGO_KEYS = {
 
 
 def algorithms_from_dict(d: dict, where: str) -> Algorithms:
-    _check_keys(d, set(_ALGO_KEYS) | {"observer", "mse_importance", "batch"}, where)
+    check_keys(d, set(_ALGO_KEYS) | {"observer", "mse_importance", "batch"}, where)
     kw = {}
     for key, allowed in _ALGO_KEYS.items():
         if key in d:
             v = d[key] if d[key] is not None else {}
             if v is True:
                 v = {}
-            _check_keys(v, allowed, f"{where}.{key}")
+            check_keys(v, allowed, f"{where}.{key}")
             kw[key] = dict(v)
     for key in ("observer", "mse_importance", "batch"):
         if key in d:
@@ -208,14 +209,6 @@ _RULE_KEYS = {"targets", "weights", "inputs"}
 _KV_KEYS = {"scheme", "keys", "values", "value_scheme"}
 
 
-def _check_keys(d: dict, allowed: set[str], where: str) -> None:
-    if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
-    unknown = set(d) - allowed
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-
-
 def _opt_scheme(v, where: str) -> Scheme | None:
     return None if v is None else scheme_from_dict(v, where)
 
@@ -230,7 +223,7 @@ def _str_list(v, where: str) -> tuple[str, ...]:
 
 def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
     """Build a recipe from parsed YAML, naming the key path of any error."""
-    _check_keys(d, _TOP_KEYS, where)
+    check_keys(d, _TOP_KEYS, where)
     rules = []
     if "weights" in d or "inputs" in d:
         rules.append(
@@ -238,7 +231,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
         )
     for i, r in enumerate(d.get("rules") or []):
         w = f"{where}.rules[{i}]"
-        _check_keys(r, _RULE_KEYS, w)
+        check_keys(r, _RULE_KEYS, w)
         if "targets" not in r:
             raise ValueError(f"{w}.targets: required")
         rules.append(
@@ -249,7 +242,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
     if d.get("kv_cache") is not None:
         k = d["kv_cache"]
         w = f"{where}.kv_cache"
-        _check_keys(k, _KV_KEYS, w)
+        check_keys(k, _KV_KEYS, w)
         if "scheme" not in k:
             raise ValueError(f"{w}.scheme: required")
         try:

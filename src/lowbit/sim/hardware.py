@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from ..validate import check_keys
+
 __all__ = ["LANES", "GPU", "Kernels", "HardwareTable", "load_hardware", "get_gpu"]
 
 #: the tensor-core math lanes a matmul can run on
@@ -142,23 +144,15 @@ def _positive(where: str, v) -> None:
         raise ValueError(f"{where}: must be a positive number, got {v!r}")
 
 
-def _strict(d: dict, allowed: set[str], where: str) -> None:
-    if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
-    unknown = set(d) - allowed
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-
-
 def parse_hardware(doc: dict) -> HardwareTable:
     """A :class:`HardwareTable` from the parsed YAML document (strict keys)."""
-    _strict(doc, {"efficiency", "kernels", "gpus"}, "gpus.yaml")
+    check_keys(doc, {"efficiency", "kernels", "gpus"}, "gpus.yaml")
     eff = doc["efficiency"]
-    _strict(eff, {"compute", "memory", "source"}, "efficiency")
+    check_keys(eff, {"compute", "memory", "source"}, "efficiency")
     k = doc["kernels"]
-    _strict(k, {"weight_only", "activation_quant_us", "activation_quant_source",
+    check_keys(k, {"weight_only", "activation_quant_us", "activation_quant_source",
                 "layer_overhead_us", "layer_overhead_source"}, "kernels")
-    _strict(k["weight_only"], {"compute_efficiency", "linear_overhead_us", "source"}, "kernels.weight_only")
+    check_keys(k["weight_only"], {"compute_efficiency", "linear_overhead_us", "source"}, "kernels.weight_only")
     kernels = Kernels(
         weight_only_efficiency=float(k["weight_only"]["compute_efficiency"]),
         weight_only_linear_us=float(k["weight_only"]["linear_overhead_us"]),
@@ -167,7 +161,7 @@ def parse_hardware(doc: dict) -> HardwareTable:
     )
     gpus = {}
     for key, g in doc["gpus"].items():
-        _strict(g, _GPU_KEYS, f"gpus.{key}")
+        check_keys(g, _GPU_KEYS, f"gpus.{key}")
         missing = _GPU_KEYS - {"source"} - set(g)
         if missing:
             raise ValueError(f"gpus.{key}: missing key(s) {sorted(missing)}")
