@@ -169,7 +169,8 @@ def test_scheme_validation_errors():
 def test_scheme_from_dict_names_the_key_path():
     from lowbit.scheme import scheme_from_dict
 
-    s = scheme_from_dict({"format": "int4", "granularity": "group:64", "scale_dtype": "bf16"}, "rules[0].weights")
+    s = scheme_from_dict({"format": "int4", "granularity": "group:64", "scale_dtype": "bf16", "full_range": True},
+                         "rules[0].weights")
     assert s == lb.PRESETS["int4-g64"]
     with pytest.raises(ValueError, match=r"rules\[0\].weights: unknown key\(s\) \['bitz'\]"):
         scheme_from_dict({"format": "int4", "granularity": "channel", "bitz": 3}, "rules[0].weights")
@@ -214,3 +215,24 @@ def test_sqnr():
         w, lb.fake_quantize(w, lb.PRESETS["int4-channel"])
     )
     assert 20 < d < 28
+
+
+def test_full_range_int_scale_matches_compressed_tensors():
+    """full_range maps amax to 7.5 for INT4 (all 16 levels), as compressed-tensors does."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    full = lb.Scheme(F.INT4, lb.CHANNEL, full_range=True)
+    qt = lb.quantize(W8, full)
+    assert qt.scale.item() == pytest.approx(0.9 / 7.5)
+    assert qt.values().tolist() == [[1, -4, 3, 7, 0, 0, 4, -2]]  # 0.9 / 0.12 = 7.5 clips to 7; −8 is usable
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
+    scale, zp = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+    assert torch.allclose(lb.compute_qparams(w, full).scale, scale, rtol=1e-6)
+    ct = ct_fake_quantize(w, scale, zp, args)
+    assert torch.allclose(lb.fake_quantize(w, full), ct, atol=1e-6)
+    with pytest.raises(ValueError, match="full_range applies to symmetric integer formats"):
+        lb.Scheme(F.FP8_E4M3, lb.CHANNEL, full_range=True)

@@ -52,6 +52,10 @@ class Scheme:
             otherwise they come from calibration.  A global scale is always calibrated.
         mx_round_up: for ``e8m0`` scales, round the shared exponent up so that nothing
             clips (NVIDIA's rule) instead of the OCP MX rule ``floor(log2 amax) − emax``.
+        full_range: for symmetric integer formats, map ``amax`` to ``(qmax − qmin) / 2``
+            (7.5 for INT4, 127.5 for INT8) so that all ``2^bits`` levels are used, as
+            compressed-tensors and llm-compressor do; the positive end may clip by half a
+            step.  ``False``: ``amax / qmax`` over the restricted range [−qmax, qmax].
     """
 
     format: F.Format
@@ -61,6 +65,7 @@ class Scheme:
     global_scale: bool = False
     dynamic: bool = False
     mx_round_up: bool = False
+    full_range: bool = False
 
     def __post_init__(self) -> None:
         fmt = self.format
@@ -81,6 +86,8 @@ class Scheme:
             raise ValueError("a global scale is used with fp8_e4m3 block scales (NVFP4-style); set scale_dtype='fp8_e4m3'")
         if self.mx_round_up and self.scale_dtype != "e8m0":
             raise ValueError("mx_round_up applies to e8m0 scales only")
+        if self.full_range and not (fmt.kind == "int" and self.symmetric):
+            raise ValueError("full_range applies to symmetric integer formats only")
 
     def __str__(self) -> str:
         parts = [self.format.name, str(self.granularity)]
@@ -91,6 +98,8 @@ class Scheme:
             parts.append("+global")
         if self.dynamic:
             parts.append("dynamic")
+        if self.full_range:
+            parts.append("full-range")
         return " ".join(parts)
 
     @property
@@ -110,6 +119,7 @@ class Scheme:
             "global_scale": self.global_scale,
             "dynamic": self.dynamic,
             "mx_round_up": self.mx_round_up,
+            "full_range": self.full_range,
         }
 
     # -- scales ------------------------------------------------------------------------
@@ -160,7 +170,8 @@ class Scheme:
                 raise ValueError("this scheme has a global scale; pass global_scale")
             # stored block scale, relative to the global scale; saturates at fp8 max (448)
             return F.FP8_E4M3.round(amax / fmt.max * _global_divisor(global_scale)), None
-        return self.round_scale(amax / fmt.max), None
+        levels = (fmt.max - fmt.min) / 2 if self.full_range else fmt.max
+        return self.round_scale(amax / levels), None
 
 
 def _global_divisor(global_scale: torch.Tensor) -> torch.Tensor:
@@ -190,15 +201,16 @@ PRESETS: dict[str, Scheme] = {
     "fp8-tensor": Scheme(F.FP8_E4M3, TENSOR),
     "fp8-channel": Scheme(F.FP8_E4M3, CHANNEL, scale_dtype="bf16"),
     "fp8-block": Scheme(F.FP8_E4M3, block(128, 128)),
+    # integer weights use all 2^bits levels (scale = amax / 7.5 for INT4), as compressed-tensors does
     "int8-tensor": Scheme(F.INT8, TENSOR),
-    "int8-channel": Scheme(F.INT8, CHANNEL, scale_dtype="bf16"),
-    "int4-channel": Scheme(F.INT4, CHANNEL, scale_dtype="bf16"),
-    "int4-tensor": Scheme(F.INT4, TENSOR),
-    "int4-g128": Scheme(F.INT4, group(128), scale_dtype="bf16"),
+    "int8-channel": Scheme(F.INT8, CHANNEL, scale_dtype="bf16", full_range=True),
+    "int4-channel": Scheme(F.INT4, CHANNEL, scale_dtype="bf16", full_range=True),
+    "int4-tensor": Scheme(F.INT4, TENSOR, full_range=True),
+    "int4-g128": Scheme(F.INT4, group(128), scale_dtype="bf16", full_range=True),
     "int4-g128-asym": Scheme(F.UINT4, group(128), symmetric=False, scale_dtype="bf16"),
-    "int4-g64": Scheme(F.INT4, group(64), scale_dtype="bf16"),
+    "int4-g64": Scheme(F.INT4, group(64), scale_dtype="bf16", full_range=True),
     "int4-g64-asym": Scheme(F.UINT4, group(64), symmetric=False, scale_dtype="bf16"),
-    "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16"),
+    "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16", full_range=True),
     "mxfp4": Scheme(F.FP4_E2M1, group(32), scale_dtype="e8m0", dynamic=True),
     "mxfp6": Scheme(F.FP6_E2M3, group(32), scale_dtype="e8m0", dynamic=True),
     "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True),
@@ -219,7 +231,7 @@ def get_scheme(name: str) -> Scheme:
         raise KeyError(f"unknown scheme {name!r}; presets are: {', '.join(PRESETS)}") from None
 
 
-_SCHEME_KEYS = {"format", "granularity", "symmetric", "scale_dtype", "global_scale", "dynamic", "mx_round_up"}
+_SCHEME_KEYS = {"format", "granularity", "symmetric", "scale_dtype", "global_scale", "dynamic", "mx_round_up", "full_range"}
 
 
 def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
@@ -251,6 +263,7 @@ def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
             global_scale=bool(d.get("global_scale", False)),
             dynamic=bool(d.get("dynamic", False)),
             mx_round_up=bool(d.get("mx_round_up", False)),
+            full_range=bool(d.get("full_range", False)),
         )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
