@@ -17,7 +17,7 @@ from lowbit.runtime import plain_forward, quantized_execution
 @pytest.fixture
 def calib():
     g = torch.Generator().manual_seed(5)
-    return torch.randint(0, 256, (8, 24), generator=g)
+    return torch.randint(0, 256, (32, 24), generator=g)  # 768 tokens: enough that GPTQ does not overfit
 
 
 def _kl(model, recipe, windows, calib, ref):
@@ -65,6 +65,21 @@ def test_calibration_methods_beat_rtn(tiny_llama, windows, calib, name):
     kl, state = _kl(copy.deepcopy(tiny_llama), RECIPES[name], windows, calib, ref)
     assert kl < rtn_kl
     assert len(state.weight_schemes) == 14
+
+
+def test_gptq_defaults_to_activation_order_with_static_groups(tiny_llama, calib):
+    import copy
+
+    def weights(algorithms):
+        m = copy.deepcopy(tiny_llama)
+        quantize(m, recipe_from_dict({"weights": "int4-g64", "algorithms": algorithms}), calibration=calib, progress=False)
+        return [p for n, p in m.named_parameters() if "proj" in n]
+
+    default = weights({"gptq": {}})
+    explicit = weights({"gptq": {"act_order": True, "static_groups": True}})
+    storage_order = weights({"gptq": {"act_order": False, "static_groups": False}})
+    assert all(torch.equal(a, b) for a, b in zip(default, explicit))
+    assert not all(torch.equal(a, b) for a, b in zip(default, storage_order))
 
 
 def test_smoothquant_gptq_w8a8_and_static_calibration(tiny_llama, windows, calib):

@@ -30,7 +30,7 @@ from .kv import KVObserver, cache_kwarg, make_cache
 from .models import arch_of, decoder_layers
 from .progress import progress_bar
 from .qtensor import QTensor, compute_qparams, dequantize, quantize as quantize_tensor
-from .recipe import Recipe
+from .recipe import GPTQ_DEFAULTS, Recipe
 from .runtime import ActQuant, quantized_activations
 from .scheme import Scheme
 from .transforms import balance, balance_groups, residual_rotation_supported, rotate_down_inputs, rotate_residual
@@ -351,11 +351,11 @@ def _quantize_weight(w: torch.Tensor, scheme: Scheme, st: _InputStats, algo, glo
         keep = A.outlier_channels(st.absmax, algo.outliers.get("threshold", 6.0), top_k=algo.outliers.get("top_k"))
         return A.fake_quantize_with_outliers(w, scheme, keep)
     if algo.gptq is not None:
-        cfg = algo.gptq
+        cfg = {**GPTQ_DEFAULTS, **algo.gptq}
         return A.gptq(
             w, st.hessian, scheme,
-            block_size=int(cfg.get("block_size", 128)), damp=float(cfg.get("damp", 0.01)),
-            act_order=bool(cfg.get("act_order", False)), static_groups=bool(cfg.get("static_groups", False)),
+            block_size=int(cfg["block_size"]), damp=float(cfg["damp"]),
+            act_order=bool(cfg["act_order"]), static_groups=bool(cfg["static_groups"]),
             qparams_fn=observe if algo.observer == "mse" else None, global_scale=global_scale,
         )
     if algo.awq is not None and algo.awq.get("clip", True):
