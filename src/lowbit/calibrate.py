@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .kv import KVObserver, cache_kwarg, make_cache
-from .progress import progress_bar
+from .parallel import map_shards
 
 __all__ = ["CalibStats", "collect_stats", "record_input_absmax"]
 
@@ -90,21 +90,36 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
 
 
 @torch.inference_mode()
-def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True) -> CalibStats:
+def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True,
+                  workers: int | None = None) -> CalibStats:
     """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
-    (every Linear but ``lm_head``, whose input a static scheme then cannot use)."""
+    (every Linear but ``lm_head``, whose input a static scheme then cannot use).
+    ``workers``: processes that share the windows (:func:`lowbit.parallel.map_shards`);
+    their maxima are merged."""
     # the decoder alone: statistics need no logits, and lm_head (never quantized by
     # default) is a fifth of a small model's work
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
-    stats = CalibStats()
-    obs = KVObserver()
     kw = cache_kwarg(body)
-    with record_input_absmax(model, names, stats.input_absmax):
-        for i in progress_bar(range(len(windows)), "calibrating", enabled=progress):
-            ids = windows[i : i + 1]
-            body(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
-            stats.tokens += ids.numel()
-    stats.k_absmax, stats.v_absmax = obs.k_absmax, obs.v_absmax
+
+    def shard(idx, tick) -> CalibStats:
+        stats = CalibStats()
+        obs = KVObserver()
+        with record_input_absmax(model, names, stats.input_absmax):
+            for i in idx:
+                ids = windows[i : i + 1]
+                body(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
+                stats.tokens += ids.numel()
+                tick()
+        stats.k_absmax, stats.v_absmax = obs.k_absmax, obs.v_absmax
+        return stats
+
+    parts = map_shards(shard, len(windows), workers=workers, description="calibrating", progress=progress)
+    stats = CalibStats(tokens=sum(p.tokens for p in parts))
+    for p in parts:
+        for mine, theirs in ((stats.input_absmax, p.input_absmax), (stats.k_absmax, p.k_absmax),
+                             (stats.v_absmax, p.v_absmax)):
+            for key, v in theirs.items():
+                mine[key] = torch.maximum(mine[key], v) if key in mine else v
     log.info("calibrated on %d tokens", stats.tokens)
     return stats

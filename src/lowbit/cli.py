@@ -65,7 +65,7 @@ def _bench(args: argparse.Namespace, model: str, windows: int | None = None, cal
     return Workbench.load(
         model, corpus=args.corpus, windows=windows or args.windows or 64, seq_len=args.seq_len,
         calib_windows=args.calib_windows if calib_windows is None else calib_windows, seed=args.seed,
-        cache=args.cache, kl_topk=args.kl_topk,
+        cache=args.cache, kl_topk=args.kl_topk, workers=args.workers,
     )
 
 
@@ -147,6 +147,16 @@ def cmd_kv_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
     from .evaluate import DEFAULT_TOPK
 
@@ -159,6 +169,9 @@ def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     p.add_argument("--json", metavar="FILE", help="write results here (default: a new file under the cache)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.add_argument("--workers", type=_positive_int, default=None,
+                   help="processes that share the windows, one torch thread each "
+                        "(default $LOWBIT_WORKERS or torch's thread count; 1: this process only)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -131,6 +131,7 @@ class Workbench:
     cache: Path
     kl_topk: int = DEFAULT_TOPK
     progress: bool = True
+    workers: int | None = None  # processes sharing the windows; None: lowbit.parallel.default_workers()
     stage_seconds: dict[str, float] = field(default_factory=dict)
     _reference: Reference | None = None
     _stats: CalibStats | None = None
@@ -148,6 +149,7 @@ class Workbench:
         cache: Path | None = None,
         kl_topk: int = DEFAULT_TOPK,
         progress: bool = True,
+        workers: int | None = None,
         loader: Callable = load_model,
     ) -> "Workbench":
         cache = cache_dir(cache)
@@ -159,7 +161,7 @@ class Workbench:
         train = data.stream_for(tok, corpus, "train", cache=cache)
         cal = data.calibration_windows(train, calib_windows, seq_len, seed, bos) if calib_windows else win[:0]
         t2 = time.perf_counter()
-        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress)
+        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress, workers)
         wb.stage_seconds = {"load model": t1 - t0, "load data": t2 - t1}
         return wb
 
@@ -186,7 +188,8 @@ class Workbench:
             path = self.cache / "references" / f"{self.info.name}-{self._key(self.windows, self.kl_topk)}.safetensors"
             self._reference = self._cached(
                 "reference", path, Reference.load,
-                lambda: reference_predictions(plain_forward(self.model), self.windows, self.kl_topk, progress=self.progress),
+                lambda: reference_predictions(plain_forward(self.model), self.windows, self.kl_topk,
+                                              progress=self.progress, workers=self.workers),
             )
         return self._reference
 
@@ -198,7 +201,7 @@ class Workbench:
             path = self.cache / "calibration" / f"{self.info.name}-{self._key(self.calib_windows)}.safetensors"
             self._stats = self._cached(
                 "calibration", path, CalibStats.load,
-                lambda: collect_stats(self.model, self.calib_windows, progress=self.progress),
+                lambda: collect_stats(self.model, self.calib_windows, progress=self.progress, workers=self.workers),
             )
         return self._stats
 
@@ -216,7 +219,8 @@ class Workbench:
         model = self.model if model is None else model
         label = name or (recipe.name if recipe else self.info.name)
         if recipe is None:
-            ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress)
+            ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress,
+                          workers=self.workers)
             return Row(label, "as loaded", ev, weight_bits(model, None), HIGH_PRECISION_BITS, 0.0)
         layerwise = recipe.algorithms.layerwise
         stats = self.stats if recipe.needs_calibration and not layerwise else None
@@ -226,7 +230,8 @@ class Workbench:
                          calibration=self.calib_windows if layerwise else None)
         tq = time.perf_counter() - t0
         with quantized_execution(model, state) as fwd:
-            ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress)
+            ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress,
+                          workers=self.workers)
         return Row(label, recipe.description, ev, weight_bits(model, state), kv_bits(recipe), tq)
 
     def describe(self) -> Comparison:

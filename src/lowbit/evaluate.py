@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .progress import progress_bar
+from .parallel import map_shards
 from .runtime import Forward
 
 __all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "summarize_reference", "window_metrics"]
@@ -95,20 +95,27 @@ def _logprobs(forward: Forward, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def reference_predictions(
-    forward: Forward, windows: torch.Tensor, k: int = DEFAULT_TOPK, *, progress: bool = True
+    forward: Forward, windows: torch.Tensor, k: int = DEFAULT_TOPK, *, progress: bool = True,
+    workers: int | None = None,
 ) -> Reference:
-    """Run the reference over ``windows`` and keep what evaluation needs."""
-    argmax, nll, ids_, lps = [], [], [], []
-    for i in progress_bar(range(len(windows)), "reference", enabled=progress):
-        ids = windows[i : i + 1]
-        lp = _logprobs(forward, ids)
-        kk = min(k, lp.shape[-1])
-        top = torch.topk(lp, kk, dim=-1)
-        argmax.append(lp.argmax(-1))
-        nll.append(-lp.gather(-1, ids[0, 1:, None]).squeeze(-1))
-        ids_.append(top.indices.to(torch.int32))
-        lps.append(top.values)
-    return Reference(torch.stack(argmax), torch.stack(nll), torch.stack(ids_), torch.stack(lps))
+    """Run the reference over ``windows`` and keep what evaluation needs (``workers``: see
+    :func:`lowbit.parallel.map_shards`)."""
+
+    def shard(idx, tick):
+        argmax, nll, ids_, lps = [], [], [], []
+        for i in idx:
+            ids = windows[i : i + 1]
+            lp = _logprobs(forward, ids)
+            top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+            argmax.append(lp.argmax(-1))
+            nll.append(-lp.gather(-1, ids[0, 1:, None]).squeeze(-1))
+            ids_.append(top.indices.to(torch.int32))
+            lps.append(top.values)
+            tick()
+        return argmax, nll, ids_, lps
+
+    parts = map_shards(shard, len(windows), workers=workers, description="reference", progress=progress)
+    return Reference(*(torch.stack([t for p in parts for t in p[j]]) for j in range(4)))
 
 
 def window_metrics(lp: torch.Tensor, targets: torch.Tensor, ref: Reference | None, w: int) -> dict[str, torch.Tensor]:
@@ -149,6 +156,7 @@ def evaluate(
     bootstrap: int = 1000,
     seed: int = 0,
     progress: bool = True,
+    workers: int | None = None,
 ) -> Eval:
     """Evaluate ``forward`` on ``windows`` ``(n, seq)``, against ``reference`` if given.
 
@@ -160,22 +168,30 @@ def evaluate(
         bootstrap: number of bootstrap resamples over windows.
         seed: seed of the bootstrap.
         progress: show a progress bar.
+        workers: processes that share the windows (default
+            :func:`lowbit.parallel.default_workers`; 1 runs here).
     """
     n = len(windows)
     if reference is not None and reference.nll.shape[0] != n:
         raise ValueError(f"reference covers {reference.nll.shape[0]} windows, evaluation has {n}")
     t0 = time.perf_counter()
-    nll_w, kl_w, agree_w, kl_all = np.zeros(n), np.zeros(n), np.zeros(n), []
-    count = np.zeros(n)
-    for i in progress_bar(range(n), f"evaluating {name}".strip(), enabled=progress):
-        ids = windows[i : i + 1]
-        m = window_metrics(_logprobs(forward, ids), ids[0, 1:], reference, i)
-        nll_w[i] = float(m["nll"].double().sum())
-        count[i] = m["nll"].numel()
-        if reference is not None:
-            kl_w[i] = float(m["kl"].double().sum())
-            agree_w[i] = float(m["agree"].sum())
-            kl_all.append(m["kl"])
+
+    def shard(idx, tick):
+        rows = []  # per window: NLL sum, tokens, KL sum, agreements, per-token KL
+        for i in idx:
+            ids = windows[i : i + 1]
+            m = window_metrics(_logprobs(forward, ids), ids[0, 1:], reference, i)
+            kl = m.get("kl")
+            rows.append((float(m["nll"].double().sum()), m["nll"].numel(),
+                         float(kl.double().sum()) if kl is not None else 0.0,
+                         float(m["agree"].sum()) if kl is not None else 0.0, kl))
+            tick()
+        return rows
+
+    rows = [r for part in map_shards(shard, n, workers=workers, description=f"evaluating {name}".strip(),
+                                     progress=progress) for r in part]
+    nll_w, count, kl_w, agree_w = (np.array([r[j] for r in rows], dtype=np.float64) for j in range(4))
+    kl_all = [r[4] for r in rows if r[4] is not None]
     seconds = time.perf_counter() - t0
     kl = torch.cat(kl_all) if kl_all else None
     return _summarize(name, nll_w, count, seconds, bootstrap, seed, reference, kl_w, agree_w, kl)
