@@ -11,7 +11,7 @@ tokens, seed 0), same evaluation (lowbit's evaluator, the same cached reference,
   temporary file, and this process evaluates it.
 * llm-compressor: ``benchmarks/_llmc_worker.py`` runs in llm-compressor's own venv
   (``/tmp/llmc-venv`` by default, ``--llmc-python``), times ``oneshot`` and saves a
-  compressed-tensors checkpoint; this process loads it with ``lowbit.assets.load_model``
+  compressed-tensors checkpoint; this process loads it with ``lowbit.loading.load_model``
   (weights decompressed by compressed-tensors) and then applies the *same* run-time
   activation / KV quantization lowbit uses for that configuration, because ``load_model``
   applies weights only.  NVFP4 W4A4 takes llm-compressor's stored ``input_global_scale``
@@ -94,7 +94,7 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, out_path: 
     import torch
     from safetensors.torch import load_file
 
-    from lowbit.assets import load_model
+    from lowbit.loading import load_model
     from lowbit.calibrate import collect_stats
     from lowbit.pipeline import quantize
     from lowbit.recipe import RECIPES
@@ -158,7 +158,7 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
     import torch
     from safetensors.torch import load_file
 
-    from lowbit.assets import load_model
+    from lowbit.loading import load_model
     from lowbit.evaluate import evaluate
     from lowbit.kv import KVPlan
     from lowbit.pipeline import quantize

@@ -21,7 +21,8 @@ import torch
 
 from lowbit import assets, corpora
 from lowbit.assets import (CORPUS_ASSETS, MODEL_ASSETS, CorpusAsset, Document, ModelAsset, cache_dir,
-                           fetch, load_documents, load_model)
+                           fetch, load_documents)
+from lowbit.loading import ModelInfo, load_model
 from lowbit.corpora import brown_document, clean_wikitext, detokenize, wiki_documents, wikitext_articles
 
 
@@ -403,7 +404,7 @@ def test_fetch_model_locates_checks_converts_once(tiny_gguf, tmp_path, monkeypat
         p.name for p in folder.iterdir()}
     assert (tmp_path / "cache" / "gguf" / "tiny.gguf").exists() is assembled
     model, _, info = load_model("tiny", cache=tmp_path / "cache")
-    assert info == assets.ModelInfo("tiny", folder, False, "a tiny test model")
+    assert info == ModelInfo("tiny", folder, False, "a tiny test model")
 
     monkeypatch.setattr(assets, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
     assert fetch("tiny", tmp_path / "cache", install=False) == folder

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowbit.analysis import kv_stats, sensitivity
-from lowbit.assets import ModelInfo
+from lowbit.loading import ModelInfo
 from lowbit.compare import Workbench, compare, kv_bits, save_json, weight_bits
 from lowbit.recipe import RECIPES
 

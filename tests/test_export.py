@@ -304,7 +304,7 @@ def test_load_model_reads_a_compressed_tensors_folder(exported):
 
     from transformers import AutoConfig
 
-    from lowbit.assets import _load_compressed_tensors
+    from lowbit.loading import _load_compressed_tensors
 
     recipe, model, state, folder, _ = exported
     with warnings.catch_warnings():

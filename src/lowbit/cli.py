@@ -111,7 +111,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """MODEL as loaded (or quantized with --recipe) against --reference (default: MODEL)."""
     from . import render
-    from .assets import load_model
+    from .loading import load_model
     from .recipe import load_recipe
 
     recipe = load_recipe(args.recipe) if args.recipe else None

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from . import data
-from .assets import ModelInfo, cache_dir, load_model
+from .assets import cache_dir
+from .loading import ModelInfo, load_model
 from .calibrate import CalibStats, collect_stats
 from .evaluate import DEFAULT_TOPK, Eval, Reference, evaluate, reference_predictions, summarize_reference
 from .pipeline import quantize
