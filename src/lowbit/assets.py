@@ -266,6 +266,8 @@ def _convert_gguf(gguf_path: Path, out: Path, sha256: str, note: str) -> None:
     """Dequantize a GGUF once into a normal Hugging Face folder ``out`` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .loading import _needs_bos
+
     log.info("converting %s to %s (dequantizing to fp32 takes 10-40 s)", gguf_path.name, out)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
