@@ -57,7 +57,8 @@ class Config:
 
 CONFIGS = [
     Config("w4a16-rtn-g64", "W4A16 RTN int4 g64 sym", "w4a16-int4-g64", "w4a16-rtn-g64"),
-    Config("w4a16-gptq-g64", "W4A16 GPTQ int4 g64 sym", "w4a16-gptq-g64", "w4a16-gptq-g64"),
+    Config("w4a16-gptq-g64", "W4A16 GPTQ int4 g64 sym (lowbit: weighted-MSE group scales)", "w4a16-gptq-g64",
+           "w4a16-gptq-g64"),
     Config("w4a16-awq-g64-asym", "W4A16 AWQ int4 g64 asym", "w4a16-awq-g64-asym", "w4a16-awq-g64-asym"),
     Config("w8a8-int8", "W8A8 INT8 RTN (channel / token dyn)", "w8a8-int8", "w8a8-int8"),
     Config("w8a8-int8-sq-gptq", "SmoothQuant 0.8 + GPTQ W8A8 INT8", "w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq"),

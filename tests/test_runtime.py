@@ -61,6 +61,34 @@ def test_input_hook_quantizes_what_the_linear_reads(tiny_llama, windows):
     assert torch.allclose(x / scale, torch.round(x / scale), atol=1e-3)
 
 
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-tensor"])
+def test_siblings_quantize_their_shared_input_once(tiny_llama, windows, recipe, monkeypatch):
+    from lowbit import runtime
+
+    stats = collect_stats(tiny_llama, windows, progress=False)
+    state = quantize(tiny_llama, RECIPES[recipe], stats, progress=False)
+    calls = []
+    call = runtime.ActQuant.__call__
+    monkeypatch.setattr(runtime.ActQuant, "__call__", lambda self, x: calls.append(1) or call(self, x))
+    with quantized_execution(tiny_llama, state) as fwd:
+        shared = fwd(windows[:2])
+    layers = len(tiny_llama.model.layers)
+    assert len(calls) == 4 * layers  # q/k/v once, o, gate/up once, down
+    # with every Linear quantizing its own input: the same logits from 7 quantizations per layer
+    monkeypatch.setattr(runtime, "_pre_hook", lambda aq, last: lambda m, args: (aq(args[0]),) + tuple(args[1:]))
+    calls.clear()
+    with quantized_execution(tiny_llama, state) as fwd:
+        alone = fwd(windows[:2])
+    assert len(calls) == 7 * layers
+    assert torch.equal(shared, alone)
+
+
+def test_input_absmax_of_siblings_is_their_common_input(tiny_llama, windows):
+    stats = collect_stats(tiny_llama, windows, progress=False)
+    q, k, v = (stats.input_absmax[f"model.layers.1.self_attn.{n}_proj"] for n in "qkv")
+    assert torch.equal(q, k) and torch.equal(q, v) and not torch.equal(q, stats.input_absmax["model.layers.1.self_attn.o_proj"])
+
+
 def test_static_inputs_need_calibration(tiny_llama, windows):
     with pytest.raises(ValueError, match="needs calibration"):
         quantize(tiny_llama, RECIPES["fp8-tensor"], progress=False)

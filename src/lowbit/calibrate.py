@@ -71,11 +71,15 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
     Linears in ``into``."""
     modules = dict(model.named_modules())
     handles = []
+    last: list = [None, None]  # (input, its channel absmax): q/k/v and gate/up read one tensor
 
     def hook_for(name: str):
         def hook(module, args):
-            x = args[0].detach()
-            a = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+            x = args[0]
+            if last[0] is not x:
+                x2 = x.detach().reshape(-1, x.shape[-1])
+                last[0], last[1] = x, torch.maximum(x2.amax(0), -x2.amin(0)).float()  # (aminmax is ~10× slower)
+            a = last[1]
             into[name] = torch.maximum(into[name], a) if name in into else a
 
         return hook
@@ -85,6 +89,7 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
             handles.append(modules[n].register_forward_pre_hook(hook_for(n)))
         yield
     finally:
+        last.clear()
         for h in handles:
             h.remove()
 

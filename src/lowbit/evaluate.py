@@ -88,9 +88,12 @@ class Eval:
         return asdict(self)
 
 
-def _logprobs(forward: Forward, ids: torch.Tensor) -> torch.Tensor:
-    logits = forward(ids)[0, :-1]  # (seq-1, V): position t predicts token t+1
-    return torch.log_softmax(logits.float(), dim=-1)
+def _logits(forward: Forward, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one window, ``(seq-1, V)`` (position t predicts token t+1), and their
+    log-normalizer ``(seq-1, 1)``.  Log-probabilities are ``logits − lse``; only the few
+    that are needed are formed (a full ``log_softmax`` would write another V-wide copy)."""
+    logits = forward(ids)[0, :-1].float()
+    return logits, torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
 @torch.inference_mode()
@@ -105,12 +108,12 @@ def reference_predictions(
         argmax, nll, ids_, lps = [], [], [], []
         for i in idx:
             ids = windows[i : i + 1]
-            lp = _logprobs(forward, ids)
-            top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-            argmax.append(lp.argmax(-1))
-            nll.append(-lp.gather(-1, ids[0, 1:, None]).squeeze(-1))
+            logits, lse = _logits(forward, ids)
+            top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+            argmax.append(logits.argmax(-1))
+            nll.append((lse - logits.gather(-1, ids[0, 1:, None])).squeeze(-1))
             ids_.append(top.indices.to(torch.int32))
-            lps.append(top.values)
+            lps.append(top.values - lse)
             tick()
         return argmax, nll, ids_, lps
 
@@ -118,16 +121,20 @@ def reference_predictions(
     return Reference(*(torch.stack([t for p in parts for t in p[j]]) for j in range(4)))
 
 
-def window_metrics(lp: torch.Tensor, targets: torch.Tensor, ref: Reference | None, w: int) -> dict[str, torch.Tensor]:
+def window_metrics(logits: torch.Tensor, targets: torch.Tensor, ref: Reference | None, w: int,
+                   lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-token NLL, and against reference window ``w``: KL and top-1 agreement.
 
-    ``lp``: (positions, V) log-probabilities of the evaluated model.
+    ``logits``: (positions, V) of the evaluated model (log-probabilities work too);
+    ``lse``: their ``logsumexp`` over V, ``(positions, 1)``, computed if not given.
     """
-    out = {"nll": -lp.gather(-1, targets[:, None]).squeeze(-1)}
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    out = {"nll": (lse - logits.gather(-1, targets[:, None])).squeeze(-1)}
     if ref is not None:
         rid = ref.topk_ids[w].long()
         lp_ref = ref.topk_logprobs[w].double()
-        lq = lp.gather(-1, rid).double()
+        lq = (logits.gather(-1, rid) - lse).double()
         p = lp_ref.exp()
         kl = (p * (lp_ref - lq)).sum(-1)
         # the rest of the vocabulary as one outcome; below _REST_FLOOR its mass is fp32
@@ -137,7 +144,7 @@ def window_metrics(lp: torch.Tensor, targets: torch.Tensor, ref: Reference | Non
         real = p_rest > _REST_FLOOR
         rest = torch.where(real, p_rest.clamp(min=1e-300) * (p_rest.clamp(min=1e-300).log() - q_rest.log()), 0.0)
         out["kl"] = (kl + rest).clamp(min=0).float()
-        out["agree"] = (lp.argmax(-1) == ref.argmax[w]).float()
+        out["agree"] = (logits.argmax(-1) == ref.argmax[w]).float()
     return out
 
 
@@ -180,7 +187,8 @@ def evaluate(
         rows = []  # per window: NLL sum, tokens, KL sum, agreements, per-token KL
         for i in idx:
             ids = windows[i : i + 1]
-            m = window_metrics(_logprobs(forward, ids), ids[0, 1:], reference, i)
+            logits, lse = _logits(forward, ids)
+            m = window_metrics(logits, ids[0, 1:], reference, i, lse)
             kl = m.get("kl")
             rows.append((float(m["nll"].double().sum()), m["nll"].numel(),
                          float(kl.double().sum()) if kl is not None else 0.0,

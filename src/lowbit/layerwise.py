@@ -91,25 +91,28 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple
 
 @dataclass
 class _InputStats:
-    """Statistics of one Linear input (shared by the Linears that read the same tensor)."""
+    """Statistics of one Linear input (shared by the Linears that read the same tensor):
+    channel absmax always; ``XᵀX`` (GPTQ), ``Σx²`` (MSE importance) and a token sample
+    (AWQ) only when a method needs them."""
 
     absmax: torch.Tensor | None = None
-    abs_sum: torch.Tensor | None = None
     sq_sum: torch.Tensor | None = None
     hessian: torch.Tensor | None = None
     samples: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
 
-    def add(self, x: torch.Tensor, hessian: bool, sample_every: int) -> None:
+    def add(self, x: torch.Tensor, hessian: bool, squares: bool, sample_every: int) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        a = x.abs()
-        self.absmax = a.amax(0) if self.absmax is None else torch.maximum(self.absmax, a.amax(0))
-        self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
-        sq = (x * x).sum(0)
-        self.sq_sum = sq if self.sq_sum is None else self.sq_sum + sq
+        a = torch.maximum(x.amax(0), -x.amin(0))  # torch.aminmax is ~10× slower here
+        self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)
+        if squares:
+            sq = (x * x).sum(0)
+            self.sq_sum = sq if self.sq_sum is None else self.sq_sum + sq
         if hessian:
-            xtx = x.T @ x
-            self.hessian = xtx if self.hessian is None else self.hessian.add_(xtx)
+            if self.hessian is None:
+                self.hessian = x.T @ x
+            else:
+                self.hessian.addmm_(x.T, x)
         if sample_every:
             self.samples.append(x[::sample_every].clone())
         self.tokens += x.shape[0]
@@ -117,8 +120,8 @@ class _InputStats:
     def scale_inputs(self, s: torch.Tensor) -> None:
         """The input became x / s (a balancing scale moved into the weights)."""
         self.absmax = self.absmax / s
-        self.abs_sum = self.abs_sum / s
-        self.sq_sum = self.sq_sum / (s * s)
+        if self.sq_sum is not None:
+            self.sq_sum = self.sq_sum / (s * s)
         if self.hessian is not None:
             self.hessian = self.hessian / s[:, None] / s[None, :]
         self.samples = [x / s for x in self.samples]
@@ -213,7 +216,7 @@ def quantize_layerwise(
         # (a) statistics of every input, with the layer as it is
         def hook_for(n):
             def hook(mod, args):
-                istats[n].add(args[0], need_h, sample_every)
+                istats[n].add(args[0], need_h, algo.mse_importance, sample_every)
             return hook
 
         obs = KVObserver()

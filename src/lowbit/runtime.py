@@ -70,24 +70,62 @@ class QuantState:
 
 @contextmanager
 def quantized_activations(model: nn.Module, plan: dict[str, ActQuant]) -> Iterator[None]:
-    """Quantize the input of each named Linear while the block runs."""
+    """Quantize the input of each named Linear while the block runs.
+
+    Linears that read the same tensor with the same quantization (q/k/v, gate/up, as a
+    runtime fuses them) quantize it once: the quantized tensor of the last call is reused
+    when the next hook receives that very tensor object with an equal :class:`ActQuant`.
+    """
     modules = dict(model.named_modules())
     missing = [n for n in plan if n not in modules]
     if missing:
         raise KeyError(f"activation plan names modules the model does not have: {missing[:5]}")
+    canonical: dict[tuple, ActQuant] = {}
+    last = _LastInput()
     handles = []
     try:
         for name, aq in plan.items():
-            handles.append(modules[name].register_forward_pre_hook(_pre_hook(aq)))
+            shared = canonical.setdefault(_signature(aq), aq)
+            handles.append(modules[name].register_forward_pre_hook(_pre_hook(shared, last)))
         yield
     finally:
+        last.clear()
         for h in handles:
             h.remove()
 
 
-def _pre_hook(aq: ActQuant):
+class _LastInput:
+    """The most recent (input, ActQuant, output) of a block's hooks."""
+
+    __slots__ = ("x", "aq", "y")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.x = self.aq = self.y = None
+
+
+def _signature(aq: ActQuant) -> tuple:
+    """Equal signatures ⇔ equal quantization (schemes and every tensor, by value)."""
+
+    def t(x):
+        return None if x is None else (tuple(x.shape), str(x.dtype), x.detach().cpu().contiguous().numpy().tobytes())
+
+    qp = aq.qparams
+    qps = None if qp is None else (t(qp.scale), t(qp.zero), t(qp.global_scale))
+    return (aq.scheme, qps, t(aq.global_scale), t(aq.rotation), t(aq.keep))
+
+
+def _pre_hook(aq: ActQuant, last: _LastInput):
     def hook(module, args):
-        return (aq(args[0]),) + tuple(args[1:])
+        x = args[0]
+        if last.x is x and last.aq is aq:
+            y = last.y
+        else:
+            y = aq(x)
+            last.x, last.aq, last.y = x, aq, y
+        return (y,) + tuple(args[1:])
 
     return hook
 
