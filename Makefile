@@ -28,7 +28,8 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python benchmarks/fake_quant_speed.py
-	$(BIN)/python benchmarks/eval_speed.py
+	$(BIN)/python benchmarks/eval_speed.py --rounds 3
+	$(BIN)/python benchmarks/compare_time.py
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/sim_validation.py
 
