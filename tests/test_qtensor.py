@@ -127,8 +127,15 @@ def test_non_finite_input_is_refused(bad):
 def test_mx_scale_follows_ocp_rule_and_round_up_option():
     x = torch.zeros(1, 32)
     x[0, 0] = 7.0  # floor(log2 7) = 2; emax(E2M1) = 2 -> scale 2^0; 7 clips to 6
-    qt = lb.quantize(x, lb.PRESETS["mxfp4"])
+    ocp = lb.Scheme(F.FP4_E2M1, lb.group(32), scale_dtype="e8m0")
+    qt = lb.quantize(x, ocp)
     assert qt.scale.item() == 1.0 and lb.dequantize(qt)[0, 0].item() == 6.0
+    # the preset's nearest rule: 7 = 1.75·2^2 counts as 2^3 -> scale 2 -> 3.5 -> 4 (even code) -> 8
+    qt = lb.quantize(x, lb.PRESETS["mxfp4"])
+    assert qt.scale.item() == 2.0 and lb.dequantize(qt)[0, 0].item() == 8.0
+    x[0, 0] = 6.5  # 1.625·2^2: stays at 2^2 -> scale 1, clips to 6
+    assert lb.quantize(x, lb.PRESETS["mxfp4"]).scale.item() == 1.0
+    x[0, 0] = 7.0
     up = lb.Scheme(F.FP4_E2M1, lb.group(32), scale_dtype="e8m0", mx_round_up=True)
     qt = lb.quantize(x, up)  # ceil(log2(7/6)) = 1 -> scale 2, 7/2 = 3.5 -> 4 (tie to even code) -> 8
     assert qt.scale.item() == 2.0 and lb.dequantize(qt)[0, 0].item() == 8.0
@@ -236,3 +243,14 @@ def test_full_range_int_scale_matches_compressed_tensors():
     assert torch.allclose(lb.fake_quantize(w, full), ct, atol=1e-6)
     with pytest.raises(ValueError, match="full_range applies to symmetric integer formats"):
         lb.Scheme(F.FP8_E4M3, lb.CHANNEL, full_range=True)
+
+
+@pytest.mark.parametrize("bits,preset", [(4, "mxfp4"), (8, "mxfp8")])
+def test_mx_nearest_scales_equal_compressed_tensors(bits, preset):
+    mx = pytest.importorskip("compressed_tensors.quantization.utils.mxfp_utils")
+    torch.manual_seed(0)
+    amax = torch.cat([torch.rand(2000) * 10.0 ** torch.randint(-6, 6, (2000,)),
+                      torch.tensor([1.0, 1.5, 1.74, 1.75, 1.76, 1.9999, 3.5, 6.0, 7.0, 448.0])])
+    want = torch.exp2(mx.generate_mx_scales(amax, bits) - 127)
+    got, _ = lb.PRESETS[preset].scales_from_range(-amax[:, None], amax[:, None], None)
+    assert torch.equal(got[:, 0], want)

@@ -52,6 +52,10 @@ class Scheme:
             otherwise they come from calibration.  A global scale is always calibrated.
         mx_round_up: for ``e8m0`` scales, round the shared exponent up so that nothing
             clips (NVIDIA's rule) instead of the OCP MX rule ``floor(log2 amax) − emax``.
+        mx_nearest: for ``e8m0`` scales, first round ``amax`` to the nearest power of two
+            at one mantissa bit (a block whose ``amax`` is ≥ 1.75·2^e counts as 2^(e+1)),
+            then apply the OCP rule — compressed-tensors' (llm-compressor's) rule.  Blocks
+            that would clip their largest element by more than 1/7 get the next exponent.
         full_range: for symmetric integer formats, map ``amax`` to ``(qmax − qmin) / 2``
             (7.5 for INT4, 127.5 for INT8) so that all ``2^bits`` levels are used, as
             compressed-tensors and llm-compressor do; the positive end may clip by half a
@@ -66,6 +70,7 @@ class Scheme:
     dynamic: bool = False
     mx_round_up: bool = False
     full_range: bool = False
+    mx_nearest: bool = False
 
     def __post_init__(self) -> None:
         fmt = self.format
@@ -86,6 +91,8 @@ class Scheme:
             raise ValueError("a global scale is used with fp8_e4m3 block scales (NVFP4-style); set scale_dtype='fp8_e4m3'")
         if self.mx_round_up and self.scale_dtype != "e8m0":
             raise ValueError("mx_round_up applies to e8m0 scales only")
+        if self.mx_nearest and (self.scale_dtype != "e8m0" or self.mx_round_up):
+            raise ValueError("mx_nearest applies to e8m0 scales only, and excludes mx_round_up")
         if self.full_range and not (fmt.kind == "int" and self.symmetric):
             raise ValueError("full_range applies to symmetric integer formats only")
 
@@ -120,6 +127,7 @@ class Scheme:
             "dynamic": self.dynamic,
             "mx_round_up": self.mx_round_up,
             "full_range": self.full_range,
+            "mx_nearest": self.mx_nearest,
         }
 
     # -- scales ------------------------------------------------------------------------
@@ -164,7 +172,7 @@ class Scheme:
             return scale, torch.where(scale > 0, zero, torch.zeros_like(zero))
         amax = torch.maximum(-lo, hi)
         if self.scale_dtype == "e8m0":
-            return _mx_scale(amax, fmt, self.mx_round_up), None
+            return _mx_scale(amax, fmt, self.mx_round_up, self.mx_nearest), None
         if self.global_scale:
             if global_scale is None:
                 raise ValueError("this scheme has a global scale; pass global_scale")
@@ -181,15 +189,19 @@ def _global_divisor(global_scale: torch.Tensor) -> torch.Tensor:
     return (1.0 / global_scale.to(torch.float32)).to(torch.float32)
 
 
-def _mx_scale(amax: torch.Tensor, fmt: F.Format, round_up: bool) -> torch.Tensor:
+def _mx_scale(amax: torch.Tensor, fmt: F.Format, round_up: bool, nearest: bool = False) -> torch.Tensor:
     """OCP MX shared scale 2^(floor(log2 amax) − emax_elem); or, rounded up,
-    2^ceil(log2(amax / max_elem)) so that no element clips.  Exponents clamp to the
-    E8M0 range [−127, 127]; an all-zero block gets 2^−127."""
+    2^ceil(log2(amax / max_elem)) so that no element clips; or (``nearest``) the OCP
+    rule applied to ``amax`` rounded to one mantissa bit (frexp mantissa ≥ 0.875 carries
+    to the next power of two).  Exponents clamp to the E8M0 range [−127, 127]; an
+    all-zero block gets 2^−127."""
     a = amax.clamp(min=2.0**-127)
     if round_up:
         e = torch.ceil(torch.log2(a / fmt.max))
     else:
-        _, ex = torch.frexp(a)  # exact floor(log2 a) = ex − 1
+        m, ex = torch.frexp(a)  # a = m·2^ex, m in [0.5, 1): exact floor(log2 a) = ex − 1
+        if nearest:
+            ex = ex + (m >= 0.875).to(ex.dtype)  # 1.75·2^(ex−1) and up round to 2^ex
         e = (ex - 1 - fmt.emax).to(torch.float32)
     return torch.exp2(e.clamp(-127, 127))
 
@@ -211,9 +223,9 @@ PRESETS: dict[str, Scheme] = {
     "int4-g64": Scheme(F.INT4, group(64), scale_dtype="bf16", full_range=True),
     "int4-g64-asym": Scheme(F.UINT4, group(64), symmetric=False, scale_dtype="bf16"),
     "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16", full_range=True),
-    "mxfp4": Scheme(F.FP4_E2M1, group(32), scale_dtype="e8m0", dynamic=True),
+    "mxfp4": Scheme(F.FP4_E2M1, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),
     "mxfp6": Scheme(F.FP6_E2M3, group(32), scale_dtype="e8m0", dynamic=True),
-    "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True),
+    "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),
     "nvfp4": Scheme(F.FP4_E2M1, group(16), scale_dtype="fp8_e4m3", global_scale=True, dynamic=True),
     # activations (the scale comes from each token / group at run time)
     "fp8-token": Scheme(F.FP8_E4M3, TOKEN, dynamic=True),
@@ -231,7 +243,8 @@ def get_scheme(name: str) -> Scheme:
         raise KeyError(f"unknown scheme {name!r}; presets are: {', '.join(PRESETS)}") from None
 
 
-_SCHEME_KEYS = {"format", "granularity", "symmetric", "scale_dtype", "global_scale", "dynamic", "mx_round_up", "full_range"}
+_SCHEME_KEYS = {"format", "granularity", "symmetric", "scale_dtype", "global_scale", "dynamic", "mx_round_up",
+                "full_range", "mx_nearest"}
 
 
 def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
@@ -264,6 +277,7 @@ def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
             dynamic=bool(d.get("dynamic", False)),
             mx_round_up=bool(d.get("mx_round_up", False)),
             full_range=bool(d.get("full_range", False)),
+            mx_nearest=bool(d.get("mx_nearest", False)),
         )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
