@@ -319,6 +319,8 @@ RECIPES: dict[str, Recipe] = {
                 algorithms={"awq": {}}),
         _preset("w4a16-awq-gptq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales then GPTQ (weighted-MSE scales)",
                 "int4-g64-asym", algorithms={"awq": {"clip": False}, **_GPTQ_MSE}),
+        _preset("w4a16-awq-gptq-g128-asym", "W4A16 INT4 g128 asymmetric, AWQ scales then GPTQ (weighted-MSE scales)",
+                "int4-g128-asym", algorithms={"awq": {"clip": False}, **_GPTQ_MSE}),
         _preset("w8a8-int8-sq-gptq", "W8A8 INT8 (per-channel / per-token dynamic), SmoothQuant 0.8 + GPTQ",
                 "int8-channel", "int8-token", algorithms={"smoothquant": {"alpha": 0.8}, "gptq": {}}),
         _preset("w8a8-int8-static-sq", "W8A8 INT8 static per-tensor activations, SmoothQuant 0.8",
