@@ -133,3 +133,21 @@ def test_outlier_channels_kept(tiny_llama, windows, calib):
 def test_layerwise_needs_calibration(tiny_llama):
     with pytest.raises(ValueError, match="needs calibration windows"):
         quantize(tiny_llama, RECIPES["w4a16-gptq-g64"], progress=False)
+
+
+@pytest.mark.parametrize("d,blocks", [(7, 4), (96, 4), (130, 3), (64, 1)])
+def test_gram_from_upper_blocks_equals_xtx(d, blocks):
+    from lowbit.layerwise import _InputStats, _add_gram
+
+    g = torch.Generator().manual_seed(d)
+    xs = [torch.randn(50, d, generator=g) * torch.logspace(-1, 1, d) for _ in range(3)]
+    st = _InputStats()
+    for x in xs:
+        st.add(x, hessian=True, squares=False, sample_every=0)
+    x = torch.cat(xs).double()
+    torch.testing.assert_close(st.hessian.double(), x.T @ x, rtol=1e-5, atol=1e-4)
+    assert torch.equal(st.hessian, st.hessian.T)
+    upper = torch.zeros(d, d)
+    _add_gram(upper, xs[0], blocks)
+    got = torch.triu(upper) + torch.triu(upper, 1).T
+    torch.testing.assert_close(got.double(), xs[0].double().T @ xs[0].double(), rtol=1e-5, atol=1e-4)

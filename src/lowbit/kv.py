@@ -90,14 +90,20 @@ class KVObserver:
         return k, v
 
 
-def make_cache(config, on_write: OnWrite):
+def make_cache(config, on_write: OnWrite, *, store: bool = True):
     """A transformers ``DynamicCache`` (laid out from ``config``: sliding-window layers
-    included) that passes every write through ``on_write(layer, k, v)``."""
+    included) that passes every write through ``on_write(layer, k, v)``.
+
+    With ``store=False`` nothing is kept: each write returns what ``on_write`` gave, as
+    the forward without a cache would use it — for one-shot passes that only observe
+    keys and values, which would otherwise hold every chunk's K and V until it ends."""
     from transformers import DynamicCache
 
     class _WriteHookCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             key_states, value_states = on_write(layer_idx, key_states, value_states)
+            if not store:
+                return key_states, value_states
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     try:

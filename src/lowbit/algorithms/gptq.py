@@ -18,10 +18,12 @@ from ..scheme import Scheme
 
 __all__ = ["gptq", "QParamsFn"]
 
-#: ``qparams_fn(w_group, columns, global_scale) -> QParams``: scales of one column group.
-#: ``w_group`` is ``(out, width)`` in storage order, ``columns`` the storage indices of
-#: its columns (to slice a per-input-channel importance), ``global_scale`` the tensor's
-#: global scale or ``None``.  The returned scale has shape ``(R, 1)``.
+#: ``qparams_fn(w_cols, columns, global_scale) -> QParams``: scales of whole column groups.
+#: ``w_cols`` is ``(out, width)`` in storage order — one group, or with static groups the
+#: whole weight — ``columns`` the storage indices of its columns (to slice a
+#: per-input-channel importance), ``global_scale`` the tensor's global scale or ``None``.
+#: The returned scale has shape ``(R, groups in w_cols)``, blocks laid out as the scheme's
+#: granularity lays them out on ``w_cols``.
 QParamsFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], QParams]
 
 _KINDS = ("tensor", "channel", "group", "block")
@@ -62,7 +64,8 @@ def gptq(
             reference's default) and grows tenfold until it is, with a warning.
         act_order: quantize columns in order of decreasing ``H_ii`` (the "act-order"
             heuristic of the reference implementation).
-        static_groups: compute every group's scale up front from the original ``w``.
+        static_groups: compute every group's scale up front from the original ``w`` (one
+            ``qparams_fn`` call over the whole weight).
             Otherwise a group's scale is computed when GPTQ reaches its first column,
             from the weights as updated so far (as the reference does).  Either way,
             groups are contiguous in *storage* order, so with ``act_order`` the result
@@ -117,50 +120,59 @@ def gptq(
         return torch.arange(g * gc, min((g + 1) * gc, cols))
 
     qps: list[QParams | None] = [None] * n_groups
-    if static_groups:
-        for g in range(n_groups):
-            c = group_columns(g)
-            qps[g] = observe(W[:, c], c, global_scale)
+    if static_groups:                                            # one observer call for every group
+        qps = _split_groups(observe(W, torch.arange(cols), global_scale), n_groups)
 
     perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(cols)
     inv_perm = torch.argsort(perm)
-    W = W[:, perm]
+    # columns become rows: every column GPTQ visits is then one contiguous vector
+    Wt = W[:, perm].T.contiguous()                               # (in, out), permuted order
     H = H[perm][:, perm]
-    group_of = perm // gc                                        # (in,) storage group of each position
+    group_of = (perm // gc).tolist()                             # storage group of each position
     U = _upper_cholesky_of_inverse(H, damp)                      # (in, in), H⁻¹ = Uᵀ U
 
-    Qv = torch.empty_like(W)                                     # (out, in) element values (with zero)
-    col_scale: list[tuple[torch.Tensor, torch.Tensor | None]] = [None] * n_groups  # per row: (out,), (out,)|None
+    Qt = torch.empty_like(Wt)                                    # (in, out) element values (with zero)
+    col_scale: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * n_groups  # (out,), (out,)|None
     # `in` rounds of small vector ops: extra threads would only add synchronisation
     with _one_thread():
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
-            W1 = W[:, i1:i2].clone()                                 # (out, B)
-            E1 = torch.zeros_like(W1)                                # (out, B)
+            W1 = Wt[i1:i2].clone()                                   # (B, out)
+            E1 = torch.empty_like(W1)                                # (B, out)
             U1 = U[i1:i2, i1:i2]                                     # (B, B)
+            d = U1.diagonal().tolist()
             for i in range(i2 - i1):
-                g = int(group_of[i1 + i])
+                g = group_of[i1 + i]
                 if col_scale[g] is None:
                     if qps[g] is None:
                         c = group_columns(g)
-                        current = _current_columns(inv_perm[c], W, W1, E1, U, i1, i)  # (out, width)
+                        current = _current_columns(inv_perm[c], Wt, W1, E1, U, i1, i)  # (out, width)
                         qps[g] = observe(current, c, global_scale)
                     col_scale[g] = _per_row(qps[g], br, rows)
                 s, z = col_scale[g]
-                w_col = W1[:, i]                                     # (out,)
+                w_col = W1[i]                                        # (out,)
                 q, w_hat = _round_column(w_col, s, z, fmt)
-                Qv[:, i1 + i] = q
-                err = (w_col - w_hat) / U1[i, i]                     # (out,)
-                W1[:, i + 1:].addr_(err, U1[i, i + 1:], alpha=-1.0)  # rank-1 update of the block
-                E1[:, i] = err
+                Qt[i1 + i] = q
+                err = E1[i]
+                torch.sub(w_col, w_hat, out=err).div_(d[i])          # (out,)
+                if i + 1 < i2 - i1:
+                    W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1.0)  # rank-1 update of the block
             if i2 < cols:
-                W[:, i2:].addmm_(E1, U[i1:i2, i2:], alpha=-1.0)      # lazy batch update
+                Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1.0)      # lazy batch update
 
-    Qv = Qv[:, inv_perm]
+    Qv = Qt.T[:, inv_perm]                                       # (out, in), storage order
     scale = torch.cat([qp.scale for qp in qps], dim=1)          # (R, n_groups)
     zero = None if scheme.symmetric else torch.cat([qp.zero for qp in qps], dim=1)
     codes = fmt.encode(Qv).reshape(w.shape)
     return QTensor(codes, scale, zero, global_scale, scheme)
+
+
+def _split_groups(qp: QParams, n_groups: int) -> list[QParams]:
+    """The ``(R, n_groups)`` scales of a whole tensor as one ``(R, 1)`` QParams per group."""
+    if qp.scale.shape[1] != n_groups:
+        raise ValueError(f"gptq: the observer returned {qp.scale.shape[1]} column groups, expected {n_groups}")
+    zeros = [None] * n_groups if qp.zero is None else list(qp.zero.split(1, dim=1))
+    return [QParams(s, z, qp.global_scale) for s, z in zip(qp.scale.split(1, dim=1), zeros)]
 
 
 @contextmanager
@@ -210,20 +222,20 @@ def _upper_cholesky_of_inverse(H: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def _current_columns(
-    positions: torch.Tensor, W: torch.Tensor, W1: torch.Tensor, E1: torch.Tensor, U: torch.Tensor, i1: int, i: int
+    positions: torch.Tensor, Wt: torch.Tensor, W1: torch.Tensor, E1: torch.Tensor, U: torch.Tensor, i1: int, i: int
 ) -> torch.Tensor:
     """The current (updated) values of the not-yet-quantized columns at ``positions``
-    (permuted order, all ``≥ i1 + i``): inside the block they are in ``W1``; beyond it
-    ``W`` still lacks this block's pending update ``E1[:, :i] · U[i1:i1+i, p]``."""
-    i2 = i1 + W1.shape[1]
-    out = torch.empty(W.shape[0], len(positions), dtype=W.dtype)  # (out, width)
+    (permuted order, all ``≥ i1 + i``), as ``(out, width)``: inside the block they are
+    rows of ``W1``; beyond it ``Wt`` still lacks this block's pending update
+    ``U[i1:i1+i, p]ᵀ · E1[:i]``.  (``Wt``, ``W1``, ``E1`` hold columns as rows.)"""
+    i2 = i1 + W1.shape[0]
+    out = torch.empty(len(positions), Wt.shape[1], dtype=Wt.dtype)  # (width, out)
     inside = positions < i2
-    out[:, inside] = W1[:, positions[inside] - i1]
+    out[inside] = W1[positions[inside] - i1]
     beyond = positions[~inside]
     if len(beyond):
-        out[:, ~inside] = W[:, beyond] - E1[:, :i] @ U[i1:i1 + i, beyond]
-    return out
-
+        out[~inside] = Wt[beyond] - U[i1:i1 + i, beyond].T @ E1[:i]
+    return out.T
 
 def _per_row(qp: QParams, br: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A group's ``(R, 1)`` effective scale and zero, expanded to one entry per row."""
