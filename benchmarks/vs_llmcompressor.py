@@ -95,18 +95,26 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, out_path: 
     import torch
     from safetensors.torch import load_file
 
-    from lowbit.loading import load_model
     from lowbit.calibrate import collect_stats
+    from lowbit.loading import load_model
+    from lowbit.offload import LayerStore
     from lowbit.pipeline import quantize
     from lowbit.recipe import RECIPES
 
     recipe = RECIPES[recipe_name]
     calib = load_file(calib_path)["input_ids"]
-    model, _, _ = load_model(model_name)
     layerwise = recipe.algorithms.layerwise
-    t0 = time.perf_counter()
-    stats = collect_stats(model, calib, progress=False) if recipe.needs_calibration and not layerwise else None
-    state = quantize(model, recipe, stats, progress=False, calibration=calib if layerwise else None)
+    if layerwise:  # the calibration pipeline loads decoder layers one at a time from the checkpoint
+        model, _, info = load_model(model_name, lazy=True)
+        t0 = time.perf_counter()
+        with LayerStore(model, info.path) as store:
+            state = quantize(model, recipe, None, progress=False, calibration=calib, store=store)
+            store.materialize()  # the whole quantized model, for the evaluation that follows
+    else:
+        model, _, _ = load_model(model_name)
+        t0 = time.perf_counter()
+        stats = collect_stats(model, calib, progress=False) if recipe.needs_calibration else None
+        state = quantize(model, recipe, stats, progress=False)
     seconds = time.perf_counter() - t0
     peak = peak_rss_mib()  # before the hand-over file is written
     torch.save({"model": model, "state": state}, out_path)

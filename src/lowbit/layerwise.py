@@ -23,23 +23,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from . import algorithms as A
+from . import heap
 from .calibrate import CalibStats
 from .kv import KVObserver, cache_kwarg, make_cache
 from .lockstep import run_in_lockstep
 from .models import arch_of, decoder_layers
+from .offload import LayerStore, is_lazy
 from .progress import progress_bar
 from .pipeline import activation_plan, kv_plan_from, shared_global_scales, sibling_groups
 from .qtensor import QTensor, compute_qparams, dequantize, quantize as quantize_tensor
 from .recipe import GPTQ_DEFAULTS, Recipe
 from .runtime import ActQuant, QuantState, quantized_activations
 from .scheme import Scheme
-from .transforms import balance, balance_groups, residual_rotation_supported, rotate_down_inputs, rotate_residual
+from .transforms import (balance, balance_groups, residual_rotation_supported, rotate_down_input, rotate_residual_ends,
+                         rotate_residual_layer)
 
 __all__ = ["quantize_layerwise"]
 
@@ -62,21 +66,30 @@ def _layer_out(out):
 def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple[list[torch.Tensor], list[dict]]:
     """The first decoder layer's input for each batch of windows, and the keyword
     arguments every decoder layer is called with (recorded once, on one window; they
-    depend on positions only and broadcast over the batch)."""
+    depend on positions only and broadcast over the batch).
+
+    No decoder layer runs: for the arguments each layer's forward is replaced, for one
+    call, by a stub that records them (so the layers may still be on the meta device)."""
     layers = decoder_layers(model)
     kwargs: list[dict] = [{} for _ in layers]
 
-    def record(i):
-        def hook(mod, args, kw):
+    def stub(i):
+        def forward(hidden_states, *args, **kw):
             kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
-        return hook
+            if i == len(layers) - 1:
+                raise _Stop  # nothing after the last layer is needed
+            return hidden_states
+        return forward
 
-    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
     try:
         model(input_ids=windows[:1], use_cache=False)
+    except _Stop:
+        pass
     finally:
-        for h in handles:
-            h.remove()
+        for layer in layers:
+            del layer.forward
     inputs: list[torch.Tensor] = []
 
     def grab(mod, args, kw):
@@ -159,20 +172,36 @@ def _groups_of_inputs(names: list[str], arch, prefix: str) -> dict[str, str]:
     return leader
 
 
-def _rotations(model: nn.Module, cfg: dict) -> dict[str, torch.Tensor]:
-    """Apply the configured rotations; return the online ones (module name → matrix)."""
+def _rotations(model: nn.Module, cfg: dict | None) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
+    """Apply the model-level part of the configured rotations now; return the online
+    rotations (module name → matrix) and the per-layer part, ``rotate(i)``, which the
+    pipeline applies to each decoder layer when it reaches it (each layer's rotation is
+    independent of the others', so this equals rotating the whole model first)."""
+    if cfg is None:
+        return {}, lambda i: None
     seed = int(cfg.get("seed", 0))
     cfgd = model.config
-    online = {}
+    arch = arch_of(model)
+    Q = H = None
     if cfg.get("residual", True):
         why = residual_rotation_supported(model)
         if why:
             log.warning("residual rotation skipped: %s", why)
         else:
-            rotate_residual(model, A.random_hadamard(cfgd.hidden_size, seed))
+            Q = A.random_hadamard(cfgd.hidden_size, seed)
+            rotate_residual_ends(model, Q)
+    online = {}
     if cfg.get("down", True):
-        online = rotate_down_inputs(model, A.random_hadamard(cfgd.intermediate_size, seed + 1))
-    return online
+        H = A.random_hadamard(cfgd.intermediate_size, seed + 1)
+        online = {f"{arch.layers}.{i}.{arch.down}": H for i in range(len(decoder_layers(model)))}
+
+    def rotate(i: int) -> None:
+        if Q is not None:
+            rotate_residual_layer(model, i, Q)
+        if H is not None:
+            rotate_down_input(model, i, H)
+
+    return online, rotate
 
 
 @torch.no_grad()
@@ -183,6 +212,7 @@ def quantize_layerwise(
     *,
     keep_qtensors: bool = False,
     progress: bool = True,
+    store: LayerStore | None = None,
 ):
     """Quantize ``model`` in place with the calibration methods of ``recipe``.
 
@@ -193,18 +223,27 @@ def quantize_layerwise(
         keep_qtensors: keep the QTensor of each quantized weight (GPTQ, min-max, MSE or
             AWQ-clipped weights; outlier-channel weights have none).
         progress: show a progress bar over layers.
+        store: for a model loaded with :func:`lowbit.offload.load_lazy`: each decoder
+            layer is loaded from it when the pipeline reaches the layer and released
+            (written back to disk, freed) when the layer is done, so that one decoder
+            layer is in memory at a time.  The model is left with its layers released:
+            ``store.materialize()`` brings them back.
 
     Returns:
         A :class:`~lowbit.runtime.QuantState`.
     """
     algo = recipe.algorithms
     arch = arch_of(model)
+    if store is None and is_lazy(model):
+        raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
-    online = _rotations(model, algo.rotation) if algo.rotation is not None else {}
+    online, rotate = _rotations(model, algo.rotation)
     modules = dict(model.named_modules())
     inputs, layer_kwargs = capture_inputs(model, calibration, algo.batch)
+    if store is not None:
+        store.release_outside()  # the embeddings and lm_head are not needed until the end
     layers = decoder_layers(model)
     state = QuantState(recipe)
     stats = CalibStats()
@@ -224,6 +263,9 @@ def quantize_layerwise(
         prefix = f"{arch.layers}.{i}"
         lnames = [n for n in names if n.startswith(prefix + ".")]
         leader = _groups_of_inputs(lnames, arch, prefix)
+        if store is not None:
+            store.load(i)
+        rotate(i)
         if algo.smoothquant is not None or awq_cfg is not None:
             t_b = time.perf_counter()
             _balance_layer(model, i, arch, layers[i], inputs, layer_kwargs[i], modules, plan, leader, online,
@@ -232,6 +274,8 @@ def quantize_layerwise(
         t_p, w0 = time.perf_counter(), times["weights"]
         inputs = ctx.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
         times["pass"] += time.perf_counter() - t_p - (times["weights"] - w0)
+        if store is not None:
+            store.release(i)
 
     stats.tokens = int(calibration.numel())
     for n, H in online.items():  # rotated inputs that are not quantized still need the online rotation
@@ -336,6 +380,7 @@ class _Run:
             return hook
 
         def on_meet(g: str) -> None:
+            heap.trim()  # see lowbit.heap: keeps the peak near the live activations
             t = time.perf_counter()
             members = [n for n in hooked if leader[n] == g]
             layer_acts = self._quantize_group(members, istats.pop(g), leader)

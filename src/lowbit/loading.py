@@ -51,7 +51,7 @@ def _needs_bos(model_type: str, tokenizer) -> bool:
 
 
 def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu",
+               device: str | torch.device = "cpu", lazy: bool = False,
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load a causal LM for evaluation: ``(model, tokenizer, ModelInfo)``.
 
@@ -59,6 +59,9 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
     Hugging Face folder, a ``.gguf`` file (converted once into
     ``<cache>/models/gguf-<stem>-<sha8>/``) or a hub id. The model is in eval mode on
     ``device`` with ``dtype`` weights and ``requires_grad`` off.
+
+    With ``lazy``, the decoder layers stay on the meta device (:func:`lowbit.offload.load_lazy`;
+    CPU only): ``LayerStore(model, info.path)`` loads them one at a time.
 
     Raises:
         ValueError: unsupported architecture (named), or a path that is neither.
@@ -87,7 +90,17 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
                       f"provide it ({exc}). Offline, use `lowbit assets fetch smollm2-135m`.") from exc
     tokenizer = AutoTokenizer.from_pretrained(source)
     needs_bos = _needs_bos(config.model_type, tokenizer)
-    if _quant_method(config) == "compressed-tensors" and isinstance(source, Path):
+    if not isinstance(source, Path) and lazy:
+        from transformers.utils import cached_file
+        source = Path(cached_file(name_or_path, "config.json")).parent
+    if lazy:
+        if _quant_method(config) is not None:
+            raise ValueError(f"{name_or_path}: lazy loading reads plain (unquantized) checkpoints only")
+        if str(device) != "cpu":
+            raise ValueError("lazy loading keeps layers on the CPU")
+        from .offload import load_lazy
+        model = load_lazy(source, dtype=dtype)
+    elif _quant_method(config) == "compressed-tensors" and isinstance(source, Path):
         model = _load_compressed_tensors(source, config, dtype).to(device)
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)

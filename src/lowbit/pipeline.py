@@ -18,6 +18,7 @@ from torch import nn
 from .calibrate import CalibStats
 from .kv import kv_plan
 from .models import arch_of, decoder_layers
+from .offload import LayerStore, is_lazy
 from .progress import progress_bar
 from .qtensor import NonFiniteError, QParams, compute_qparams, dequantize, fake_quantize, quantize as quantize_tensor
 from .recipe import Recipe
@@ -27,6 +28,19 @@ from .scheme import Scheme
 __all__ = ["quantize", "sibling_groups"]
 
 log = logging.getLogger(__name__)
+
+
+def _layer_index(layers: str):
+    """``name → i`` for a module inside decoder layer ``i`` (``layers`` is the ModuleList's
+    path), else ``None``."""
+    head = layers + "."
+
+    def index(name: str) -> int | None:
+        if not name.startswith(head):
+            return None
+        return int(name[len(head):].split(".", 1)[0])
+
+    return index
 
 
 def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
@@ -121,6 +135,7 @@ def quantize(
     only: str | None = None,
     calibration: torch.Tensor | None = None,
     progress: bool = True,
+    store: LayerStore | None = None,
 ) -> QuantState:
     """Quantize ``model`` in place by round-to-nearest as ``recipe`` says.
 
@@ -134,11 +149,16 @@ def quantize(
         calibration: ``(n, seq)`` calibration windows, required when the recipe has
             calibration algorithms (they run layer by layer, see :mod:`lowbit.layerwise`).
         progress: show a progress bar.
+        store: the :class:`~lowbit.offload.LayerStore` of a lazily loaded model: one
+            decoder layer is in memory at a time, and the layers are left released
+            (``store.materialize()`` loads them back).
 
     Returns:
         The :class:`QuantState` that :func:`~lowbit.runtime.quantized_execution` runs.
     """
-    arch_of(model)  # unsupported architectures fail here, before any work
+    arch = arch_of(model)  # unsupported architectures fail here, before any work
+    if store is None and is_lazy(model):
+        raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")
     if recipe.algorithms.layerwise:
         if only is not None:
             raise ValueError("calibration algorithms run on whole models; `only` works with plain rounding")
@@ -146,7 +166,8 @@ def quantize(
             raise ValueError(f"recipe {recipe.name!r} uses calibration algorithms; it needs calibration windows")
         from .layerwise import quantize_layerwise
 
-        return quantize_layerwise(model, recipe, calibration, keep_qtensors=keep_qtensors, progress=progress)
+        return quantize_layerwise(model, recipe, calibration, keep_qtensors=keep_qtensors, progress=progress,
+                                  store=store)
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
@@ -154,11 +175,21 @@ def quantize(
         plan = {n: v for n, v in plan.items() if fnmatch.fnmatchcase(n, only)}
     if recipe.needs_calibration and stats is None:
         raise ValueError(f"recipe {recipe.name!r} has static (calibrated) scales; it needs calibration statistics")
-    shared = shared_global_scales(modules, plan, sibling_groups(model))
     state = QuantState(recipe)
+    layer_of = _layer_index(arch.layers)
+    siblings = sibling_groups(model)
+    current, shared = (), {}  # the decoder layer being quantized (None: outside the layers)
     for name in progress_bar(list(plan), f"quantizing ({recipe.name})", enabled=progress):
         wscheme = plan[name][0]
         mod = modules[name]
+        if layer_of(name) != current:
+            if store is not None and current not in ((), None):
+                store.release(current)
+            current = layer_of(name)
+            if store is not None and current is not None:
+                store.load(current)
+            # fused siblings share a global scale; they are always in the same layer
+            shared = shared_global_scales(modules, {n: v for n, v in plan.items() if layer_of(n) == current}, siblings)
         if wscheme is not None:
             w = mod.weight.detach()
             try:
@@ -173,6 +204,8 @@ def quantize(
                 new = fake_quantize(w, wscheme, qp)
             mod.weight.copy_(new)
             state.weight_schemes[name] = wscheme
+    if store is not None and current not in ((), None):
+        store.release(current)
     state.activations = activation_plan(plan, stats)
     if only is None:
         state.kv = kv_plan_from(recipe, stats)

@@ -21,7 +21,8 @@ from torch import nn
 
 from .models import Arch, arch_of, decoder_layers
 
-__all__ = ["balance", "fold_norms", "rotate_residual", "rotate_down_inputs", "residual_rotation_supported"]
+__all__ = ["balance", "fold_norms", "rotate_residual", "rotate_residual_ends", "rotate_residual_layer",
+           "rotate_down_inputs", "rotate_down_input", "residual_rotation_supported"]
 
 
 @torch.no_grad()
@@ -83,11 +84,19 @@ def fold_norms(model: nn.Module) -> None:
     norms with unit scale (needed before a residual rotation)."""
     arch = arch_of(model)
     for layer in decoder_layers(model):
-        for b in arch.balances:
-            prev = _get(layer, b.prev)
-            if _is_norm(prev):
-                gamma = arch.norm_offset + prev.weight.detach().float()
-                balance(prev, [_get(layer, n) for n in b.next], gamma, norm_offset=arch.norm_offset)
+        _fold_layer_norms(layer, arch)
+    _fold_final_norm(model, arch)
+
+
+def _fold_layer_norms(layer: nn.Module, arch: Arch) -> None:
+    for b in arch.balances:
+        prev = _get(layer, b.prev)
+        if _is_norm(prev):
+            gamma = arch.norm_offset + prev.weight.detach().float()
+            balance(prev, [_get(layer, n) for n in b.next], gamma, norm_offset=arch.norm_offset)
+
+
+def _fold_final_norm(model: nn.Module, arch: Arch) -> None:
     final = model.get_decoder().norm
     head = model.get_output_embeddings()
     gamma = arch.norm_offset + final.weight.detach().float()
@@ -109,30 +118,50 @@ def _untie(model: nn.Module) -> None:
 def rotate_residual(model: nn.Module, Q: torch.Tensor) -> None:
     """Rotate the residual stream by orthogonal ``Q`` (hidden × hidden): h ↦ h·Q.
 
-    Raises ``ValueError`` where the architecture makes this inexact (see
+    The same as :func:`rotate_residual_ends` followed by :func:`rotate_residual_layer`
+    for every decoder layer (the pipeline applies the per-layer part as it reaches each
+    layer).  Raises ``ValueError`` where the architecture makes this inexact (see
     :func:`residual_rotation_supported`).
     """
+    rotate_residual_ends(model, Q)
+    for i in range(len(decoder_layers(model))):
+        rotate_residual_layer(model, i, Q)
+
+
+@torch.no_grad()
+def rotate_residual_ends(model: nn.Module, Q: torch.Tensor) -> None:
+    """The part of :func:`rotate_residual` outside the decoder layers: the final norm
+    folded into lm_head, the embeddings' outputs and lm_head's inputs rotated."""
     why = residual_rotation_supported(model)
     if why:
         raise ValueError(f"residual rotation is not function-preserving here: {why}")
-    arch = arch_of(model)
     Q = Q.to(torch.float32)
-    fold_norms(model)
+    _fold_final_norm(model, arch_of(model))
     emb = model.get_input_embeddings()
     _assign(emb, "weight", emb.weight.detach().float() @ Q)
-    for layer in decoder_layers(model):
-        for b in arch.balances:
-            if _is_norm(_get(layer, b.prev)):
-                for n in b.next:  # readers of the residual: their inputs are now h·Q
-                    lin = _get(layer, n)
-                    _assign(lin, "weight", lin.weight.detach().float() @ Q)
-        for n in (arch.o, arch.down):  # writers to the residual: outputs must become y·Q
-            lin = _get(layer, n)
-            _assign(lin, "weight", Q.T @ lin.weight.detach().float())
-            if lin.bias is not None:
-                _assign(lin, "bias", lin.bias.detach().float() @ Q)
     head = model.get_output_embeddings()
     _assign(head, "weight", head.weight.detach().float() @ Q)
+
+
+@torch.no_grad()
+def rotate_residual_layer(model: nn.Module, i: int, Q: torch.Tensor) -> None:
+    """The part of :func:`rotate_residual` inside decoder layer ``i``: its pre-sub-layer
+    norms folded into the linears that read them, readers of the residual rotated on
+    their inputs (``W·Q``), writers on their outputs (``Qᵀ·W``)."""
+    arch = arch_of(model)
+    Q = Q.to(torch.float32)
+    layer = decoder_layers(model)[i]
+    _fold_layer_norms(layer, arch)
+    for b in arch.balances:
+        if _is_norm(_get(layer, b.prev)):
+            for n in b.next:  # readers of the residual: their inputs are now h·Q
+                lin = _get(layer, n)
+                _assign(lin, "weight", lin.weight.detach().float() @ Q)
+    for n in (arch.o, arch.down):  # writers to the residual: outputs must become y·Q
+        lin = _get(layer, n)
+        _assign(lin, "weight", Q.T @ lin.weight.detach().float())
+        if lin.bias is not None:
+            _assign(lin, "bias", lin.bias.detach().float() @ Q)
 
 
 @torch.no_grad()
@@ -142,13 +171,16 @@ def rotate_down_inputs(model: nn.Module, H: torch.Tensor) -> dict[str, torch.Ten
     Returns ``{down_proj name: H}``: the runtime must multiply each down_proj input by
     ``H`` (online), so that (x·H)(W·H)ᵀ = x·Wᵀ.
     """
+    return dict(rotate_down_input(model, i, H) for i in range(len(decoder_layers(model))))
+
+
+@torch.no_grad()
+def rotate_down_input(model: nn.Module, i: int, H: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """:func:`rotate_down_inputs` for decoder layer ``i``: ``(down_proj name, H)``."""
     arch = arch_of(model)
-    out = {}
-    for i, layer in enumerate(decoder_layers(model)):
-        lin = _get(layer, arch.down)
-        _assign(lin, "weight", lin.weight.detach().float() @ H.to(torch.float32))
-        out[f"{arch.layers}.{i}.{arch.down}"] = H
-    return out
+    lin = _get(decoder_layers(model)[i], arch.down)
+    _assign(lin, "weight", lin.weight.detach().float() @ H.to(torch.float32))
+    return f"{arch.layers}.{i}.{arch.down}", H
 
 
 def balance_groups(model: nn.Module, layer_index: int, arch: Arch | None = None):
