@@ -36,6 +36,8 @@ def _cg(weights: dict | None, inputs: dict | None = None) -> dict:
 
 INT4_G64 = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
 INT4_G64_ASYM = dict(INT4_G64, symmetric=False)
+INT4_G128 = dict(INT4_G64, group_size=128)
+INT4_G128_ASYM = dict(INT4_G128, symmetric=False)
 KV_FP8 = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
 
 
@@ -45,17 +47,19 @@ def recipe_for(config: str):
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
     ign = ["lm_head"]
-    if config == "w4a16-rtn-g64":
-        return QuantizationModifier(config_groups=_cg(INT4_G64), ignore=ign), "independent"
-    if config == "w4a16-gptq-g64":
-        return GPTQModifier(config_groups=_cg(INT4_G64), ignore=ign), "sequential"
-    if config == "w4a16-awq-g64-asym":
-        from llmcompressor.modifiers.transform.awq import AWQModifier
-        from llmcompressor.pipelines.cache import IntermediatesCache
+    int4 = {"g64": (INT4_G64, INT4_G64_ASYM), "g128": (INT4_G128, INT4_G128_ASYM)}
+    for g, (sym, asym) in int4.items():
+        if config == f"w4a16-rtn-{g}":
+            return QuantizationModifier(config_groups=_cg(sym), ignore=ign), "independent"
+        if config == f"w4a16-gptq-{g}":
+            return GPTQModifier(config_groups=_cg(sym), ignore=ign), "sequential"
+        if config == f"w4a16-awq-{g}-asym":
+            from llmcompressor.modifiers.transform.awq import AWQModifier
+            from llmcompressor.pipelines.cache import IntermediatesCache
 
-        IntermediatesCache.pin_memory = lambda self, *a, **k: None  # CPU: pin_memory needs an accelerator
-        return [AWQModifier(duo_scaling="both", ignore=ign),
-                QuantizationModifier(config_groups=_cg(INT4_G64_ASYM), ignore=ign)], "sequential"
+            IntermediatesCache.pin_memory = lambda self, *a, **k: None  # CPU: pin_memory needs an accelerator
+            return [AWQModifier(duo_scaling="both", ignore=ign),
+                    QuantizationModifier(config_groups=_cg(asym), ignore=ign)], "sequential"
     if config == "w8a8-int8":
         return QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ign), "independent"
     if config == "w8a8-int8-sq-gptq":

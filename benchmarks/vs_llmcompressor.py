@@ -4,11 +4,12 @@ Same model (SmolLM2-135M in float32), same calibration windows (the protocol's 1
 tokens, seed 0), same evaluation (lowbit's evaluator, the same cached reference, the first
 64 wiki test windows of 512 tokens).  For each configuration:
 
-* lowbit: a worker process (this file, ``--_worker``) loads the model, quantizes it with the
-  recipe (``pipeline.quantize``; for plain-rounding recipes with calibrated scales the
-  calibration pass counts as part of quantization) and reports the wall time of that step
-  and its peak RSS (VmHWM); it hands the quantized model and its QuantState back in a
-  temporary file, and this process evaluates it.
+* lowbit: a worker process (this file, ``--_worker``) loads the model — for calibration
+  recipes lazily, one decoder layer in memory at a time (``lowbit.offload``), fully
+  loaded again at the end — quantizes it with the recipe (``pipeline.quantize``; for
+  plain-rounding recipes with calibrated scales the calibration pass counts as part of
+  quantization), reads the wall time of that step and its peak RSS (VmHWM), then
+  evaluates the model against the reference this process cached and prints the result.
 * llm-compressor: ``benchmarks/_llmc_worker.py`` runs in llm-compressor's own venv
   (``/tmp/llmc-venv`` by default, ``--llmc-python``), times ``oneshot`` and saves a
   compressed-tensors checkpoint; this process loads it with ``lowbit.loading.load_model``
@@ -74,6 +75,27 @@ CONFIGS = [
 ]
 BY_KEY = {c.key: c for c in CONFIGS}
 
+
+def configs_for(group: int) -> list[Config]:
+    """The table's configurations with INT4 groups of ``group`` (64: the issue's table; 128:
+    its repeat on Gemma-3-270m).  Rows without a ``group``-sized preset are dropped."""
+    from lowbit.recipe import RECIPES
+
+    if group == 64:
+        return CONFIGS
+    g = f"g{group}"
+    out = []
+    for c in CONFIGS:
+        if "g64" not in c.key:
+            out.append(c)
+            continue
+        lowbit = c.lowbit.replace("g64", g)
+        if lowbit not in RECIPES:
+            continue
+        out.append(dataclasses.replace(c, key=c.key.replace("g64", g), label=c.label.replace("g64", g), lowbit=lowbit,
+                                       llmc=c.llmc.replace("g64", g) if c.llmc else None))
+    return out
+
 #: llm-compressor's AWQ takes ~42 minutes on this machine, so by default it is not re-run and
 #: the table shows the figure recorded in issue 6 (llm-compressor 0.14.0.1, CPU, 2 threads,
 #: same protocol) — RECORDED, NOT RE-RUN; no peak memory was recorded.
@@ -91,35 +113,43 @@ def peak_rss_mib() -> float:
 # -- lowbit worker (separate process) -------------------------------------------------
 
 
-def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, out_path: str) -> None:
+def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: str) -> None:
+    """Quantize (timed, peak RSS read right after), then evaluate in this process against
+    the reference the parent process cached; print one JSON line with both."""
     import torch
     from safetensors.torch import load_file
 
     from lowbit.calibrate import collect_stats
+    from lowbit.compare import Workbench
+    from lowbit.evaluate import evaluate
     from lowbit.loading import load_model
     from lowbit.offload import LayerStore
     from lowbit.pipeline import quantize
     from lowbit.recipe import RECIPES
+    from lowbit.runtime import quantized_execution
 
     recipe = RECIPES[recipe_name]
     calib = load_file(calib_path)["input_ids"]
     layerwise = recipe.algorithms.layerwise
     if layerwise:  # the calibration pipeline loads decoder layers one at a time from the checkpoint
-        model, _, info = load_model(model_name, lazy=True)
+        model, tok, info = load_model(model_name, lazy=True)
         t0 = time.perf_counter()
         with LayerStore(model, info.path) as store:
             state = quantize(model, recipe, None, progress=False, calibration=calib, store=store)
             store.materialize()  # the whole quantized model, for the evaluation that follows
     else:
-        model, _, _ = load_model(model_name)
+        model, tok, info = load_model(model_name)
         t0 = time.perf_counter()
         stats = collect_stats(model, calib, progress=False) if recipe.needs_calibration else None
         state = quantize(model, recipe, stats, progress=False)
     seconds = time.perf_counter() - t0
-    peak = peak_rss_mib()  # before the hand-over file is written
-    torch.save({"model": model, "state": state}, out_path)
-    print("LOWBIT_RESULT " + json.dumps({"recipe": recipe_name, "quantize_seconds": seconds, "peak_mib": peak}),
-          flush=True)
+    peak = peak_rss_mib()
+    wb = Workbench.load(model_name, corpus="wiki", windows=int(windows), calib_windows=0, seed=0, progress=False,
+                        loader=lambda name, cache: (model, tok, info))
+    with torch.inference_mode(), quantized_execution(model, state) as fwd:
+        ev = evaluate(fwd, wb.windows, wb.reference, name=f"lowbit {recipe_name}", seed=wb.seed, progress=False)
+    print("LOWBIT_RESULT " + json.dumps({"recipe": recipe_name, "quantize_seconds": seconds, "peak_mib": peak,
+                                         "eval": _row_dict(ev, seconds, peak)}), flush=True)
 
 
 # -- running the workers --------------------------------------------------------------
@@ -216,17 +246,6 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
     return ev, "; ".join(notes)
 
 
-def eval_lowbit_handover(wb, cfg: Config, path: Path):
-    import torch
-
-    from lowbit.evaluate import evaluate
-    from lowbit.runtime import quantized_execution
-
-    d = torch.load(path, weights_only=False)
-    with torch.inference_mode(), quantized_execution(d["model"], d["state"]) as fwd:
-        return evaluate(fwd, wb.windows, wb.reference, name=f"lowbit {cfg.key}", seed=wb.seed, progress=False)
-
-
 # -- table ----------------------------------------------------------------------------
 
 
@@ -283,8 +302,10 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default=",".join(c.key for c in CONFIGS),
-                    help="comma list of: " + ", ".join(BY_KEY))
+    ap.add_argument("--configs", default=None,
+                    help="comma list of: " + ", ".join(BY_KEY) + " (with --group 128: g128 in place of g64); "
+                         "default all")
+    ap.add_argument("--group", type=int, default=64, choices=(64, 128), help="INT4 group size of the W4A16 rows")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--calib", type=int, default=128)
@@ -297,16 +318,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="a --json file of an earlier (interrupted) run: its finished configurations are kept and "
                          "not re-run (rows from different runs ran under different machine load)")
     ap.add_argument("--workdir", type=Path, help="temp folder for checkpoints and worker logs (kept)")
-    ap.add_argument("--_worker", nargs=4, metavar=("RECIPE", "MODEL", "CALIB", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--_worker", nargs=4, metavar=("RECIPE", "MODEL", "CALIB", "WINDOWS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._worker:
         lowbit_worker(*a._worker)
         return 0
 
-    keys = [k.strip() for k in a.configs.split(",") if k.strip()]
-    bad = [k for k in keys if k not in BY_KEY]
+    by_key = {c.key: c for c in configs_for(a.group)}
+    keys = [k.strip() for k in a.configs.split(",") if k.strip()] if a.configs else list(by_key)
+    bad = [k for k in keys if k not in by_key]
     if bad:
-        ap.error(f"unknown config(s) {bad}; choose from {list(BY_KEY)}")
+        ap.error(f"unknown config(s) {bad}; choose from {list(by_key)}")
     llmc_ok = not a.skip_llmc and Path(a.llmc_python).exists()
     if not a.skip_llmc and not llmc_ok:
         print(f"llm-compressor venv not found at {a.llmc_python}: skipping that side. Create it with:\n  "
@@ -332,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([Path(sys.executable).name] + sys.argv), "machine": platform.platform(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": wb.info.name,
             "windows": list(wb.windows.shape), "calib": list(wb.calib_windows.shape), "reference_ppl": ref.ppl,
+            "group": a.group,
             "llmc_python": a.llmc_python if llmc_ok else None}
     results = []
     if a.resume and a.resume.exists():
@@ -352,25 +375,22 @@ def main(argv: list[str] | None = None) -> int:
     for key in keys:
         if key in meta.get("resumed", []):
             continue
-        cfg = BY_KEY[key]
+        cfg = by_key[key]
         r = {"key": key, "label": cfg.label, "lowbit_recipe": cfg.lowbit, "group": cfg.group, "partial": True}
         results.append(r)  # dumped after each side, so that an interrupted run keeps what it measured
         t0 = time.perf_counter()
         # lowbit
-        hand = work / f"{key}.lowbit.pt"
         try:
             w = _run([sys.executable, str(Path(__file__).resolve()), "--_worker", cfg.lowbit, a.model,
-                      str(calib_path), str(hand)], "lowbit", work, key)
-            ev = eval_lowbit_handover(wb, cfg, hand)
-            r["lowbit"] = _row_dict(ev, w["quantize_seconds"], w["peak_mib"])
+                      str(calib_path), str(a.windows)], "lowbit", work, key)
+            r["lowbit"] = w["eval"]
         except Exception as e:  # noqa: BLE001 — one failed configuration must not end the run
             r["lowbit"] = {"error": str(e)[-2000:]}
             print(f"[{key}] lowbit failed: {e}", file=sys.stderr, flush=True)
-        finally:
-            hand.unlink(missing_ok=True)
         dump()
         # llm-compressor
-        if cfg.llmc and llmc_ok and (cfg.llmc != "w4a16-awq-g64-asym" or a.llmc_awq):
+        awq = cfg.llmc is not None and "awq" in cfg.llmc
+        if cfg.llmc and llmc_ok and (not awq or a.llmc_awq):
             folder = work / f"{key}.llmc"
             try:
                 w = _run([a.llmc_python, str(HERE / "_llmc_worker.py"), cfg.llmc, model_dir, str(calib_path),
@@ -380,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001
                 r["llmc"] = {"error": str(e)[-2000:]}
                 print(f"[{key}] llm-compressor failed: {e}", file=sys.stderr, flush=True)
-        elif cfg.llmc == "w4a16-awq-g64-asym" and not a.skip_llmc:
+        elif cfg.llmc == "w4a16-awq-g64-asym" and not a.skip_llmc and a.model == "smollm2-135m":
             r["llmc"] = dict(RECORDED_LLMC_AWQ, note="recorded in issue 6, not re-run (pass --llmc-awq to re-run)")
         r["verdict"] = verdict(cfg, r.get("lowbit"), r.get("llmc"))
         r["wall_seconds"] = time.perf_counter() - t0

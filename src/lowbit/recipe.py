@@ -317,6 +317,8 @@ RECIPES: dict[str, Recipe] = {
                 algorithms=_GPTQ_MSE),
         _preset("w4a16-awq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping)", "int4-g64-asym",
                 algorithms={"awq": {}}),
+        _preset("w4a16-awq-g128-asym", "W4A16 INT4 g128 asymmetric, AWQ (scales + clipping)", "int4-g128-asym",
+                algorithms={"awq": {}}),
         _preset("w4a16-awq-gptq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales then GPTQ (weighted-MSE scales)",
                 "int4-g64-asym", algorithms={"awq": {"clip": False}, **_GPTQ_MSE}),
         _preset("w4a16-awq-gptq-g128-asym", "W4A16 INT4 g128 asymmetric, AWQ scales then GPTQ (weighted-MSE scales)",
