@@ -151,3 +151,36 @@ def test_gram_from_upper_blocks_equals_xtx(d, blocks):
     _add_gram(upper, xs[0], blocks)
     got = torch.triu(upper) + torch.triu(upper, 1).T
     torch.testing.assert_close(got.double(), xs[0].double().T @ xs[0].double(), rtol=1e-5, atol=1e-4)
+
+
+def test_gram_in_bf16_products_is_close_and_restores_the_setting():
+    from lowbit.layerwise import _add_gram, _matmul_precision
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 96, generator=g) * torch.logspace(-1, 1, 96)
+    x[:, 7] *= 300  # an outlier channel, as in real activations
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    upper = torch.zeros(96, 96)
+    _add_gram(upper, x, bf16=True)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    got = (torch.triu(upper) + torch.triu(upper, 1).T).double()
+    want = x.double().T @ x.double()
+    scale = want.diagonal().sqrt()
+    assert ((got - want).abs() / scale[:, None] / scale[None, :]).max() < 2e-3
+    with pytest.raises(RuntimeError, match="boom"):
+        with _matmul_precision("bf16"):
+            raise RuntimeError("boom")
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+def test_gptq_with_a_bf16_or_fp32_hessian_is_as_accurate(tiny_llama, windows, calib):
+    import copy
+
+    ref = reference_predictions(plain_forward(tiny_llama), windows, k=256, progress=False)
+    kls = {}
+    for h in ("bf16", "fp32"):
+        r = recipe_from_dict({"weights": "int4-g64", "algorithms": {"gptq": {"hessian": h}}})
+        kls[h], _ = _kl(copy.deepcopy(tiny_llama), r, windows, calib, ref)
+    assert kls["bf16"] == pytest.approx(kls["fp32"], rel=0.05)
+    with pytest.raises(ValueError, match="hessian must be"):
+        recipe_from_dict({"weights": "int4-g64", "algorithms": {"gptq": {"hessian": "fp16"}}})

@@ -50,3 +50,21 @@ def test_int4_per_tensor_is_clearly_worse_than_int4_g64(bench):
 def test_fp8_kv_cache_costs_little(bench):
     row = bench.run(RECIPES["kv-fp8"])
     assert abs(row.eval.delta_pct) < 2 and row.eval.kl_mean < 0.02
+
+
+def test_low_memory_quantize_writes_the_in_memory_checkpoint(tmp_path, capsys):
+    """`lowbit quantize --low-memory` on the real model: the shards hold exactly the tensors
+    the in-memory export writes, with one decoder layer in memory at a time."""
+    from lowbit.cli import main
+    from lowbit.offload import checkpoint_files, read_tensors
+
+    args = ["quantize", "smollm2-135m", "--recipe", "w4a16-int4-g64", "--no-eval"]
+    assert main(args + ["--out", str(tmp_path / "whole")]) == 0
+    assert main(args[:-1] + ["--out", str(tmp_path / "lm"), "--low-memory"]) == 2
+    assert "--no-eval" in capsys.readouterr().err
+    assert main(args + ["--out", str(tmp_path / "lm"), "--low-memory"]) == 0
+    lm, whole = checkpoint_files(tmp_path / "lm"), checkpoint_files(tmp_path / "whole")
+    assert len(set(lm.values())) == 31 and len(set(whole.values())) == 1
+    a, b = read_tensors(lm, list(lm)), read_tensors(whole, list(whole))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -34,10 +34,10 @@ from torch import nn
 
 from .models import arch_of, decoder_layers
 
-__all__ = ["LayerStore", "load_lazy", "is_lazy"]
+__all__ = ["LayerStore", "load_lazy", "is_lazy", "checkpoint_files", "read_tensors"]
 
 
-def _index(folder: Path) -> dict[str, Path]:
+def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Tensor name → the safetensors file that holds it (single file or sharded)."""
     folder = Path(folder)
     idx = folder / "model.safetensors.index.json"
@@ -52,7 +52,7 @@ def _index(folder: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-def _read(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+def read_tensors(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors, each file opened once."""
     by_file: dict[Path, list[str]] = {}
     for n in names:
@@ -107,7 +107,7 @@ def load_lazy(folder: Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
-    files = _index(folder)
+    files = checkpoint_files(folder)
     prefix = arch_of(model).layers + "."
     tied = getattr(model.config, "tie_word_embeddings", False)
     wanted = [n for n, _ in model.named_parameters(remove_duplicate=False) if not n.startswith(prefix)]
@@ -116,7 +116,7 @@ def load_lazy(folder: Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     missing = [n for n in wanted if n not in files and not (tied and n == f"{head_name}.weight")]
     if missing:
         raise KeyError(f"{folder}: the checkpoint lacks {missing[:3]} (names must equal the model's parameter names)")
-    for name, t in _read(files, [n for n in wanted if n in files]).items():
+    for name, t in read_tensors(files, [n for n in wanted if n in files]).items():
         _set_param(model, name, t.to(dtype))
     if tied:
         model.tie_weights()
@@ -142,7 +142,7 @@ class LayerStore:
         self.layers = decoder_layers(model)
         self.prefix = arch_of(model).layers
         self.source = Path(source)
-        self._files = _index(self.source)
+        self._files = checkpoint_files(self.source)
         self._own_work = work is None
         self.work = Path(tempfile.mkdtemp(prefix="lowbit-layers-")) if work is None else Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
@@ -195,7 +195,7 @@ class LayerStore:
             raise RuntimeError(f"the non-layer weights were released to {self.work}, which this store removed")
         path = self.work / "outside.safetensors"
         unique, _ = self._outside()
-        for name, t in _read({n: path for n in unique}, list(unique)).items():
+        for name, t in read_tensors({n: path for n in unique}, list(unique)).items():
             _set_param(self.model, name, t.to(unique[name].dtype))
         self._share_aliases()
         self._outside_released = False
@@ -219,12 +219,12 @@ class LayerStore:
         if i in self._released:
             if self._closed:
                 raise RuntimeError(f"layer {i} was released to {self.work}, which this store removed when it closed")
-            return _read({n: self._path(i) for n in names}, names)
+            return read_tensors({n: self._path(i) for n in names}, names)
         missing = [n for n in names if n not in self._files]
         if missing:
             raise KeyError(f"{self.source}: the checkpoint lacks {missing[:3]} "
                            "(names must equal the model's parameter names)")
-        return _read(self._files, names)
+        return read_tensors(self._files, names)
 
     def load(self, i: int) -> nn.Module:
         """Bring decoder layer ``i`` into memory (a no-op if it is there)."""

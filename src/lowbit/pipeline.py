@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -118,6 +119,24 @@ def activation_plan(
     return out
 
 
+def _round_weight(mod: nn.Module, name: str, scheme: Scheme, global_scale: torch.Tensor | None, keep_qtensor: bool,
+                  state: QuantState) -> None:
+    """Round ``mod``'s weight to ``scheme`` in place (min-max scales), recording it in ``state``."""
+    w = mod.weight.detach()
+    try:
+        qp = compute_qparams(w, scheme, global_scale)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"weight of {name}: {e}") from None
+    if keep_qtensor:
+        qt = quantize_tensor(w, scheme, qp)
+        state.weights[name] = qt
+        new = dequantize(qt, w.dtype)
+    else:
+        new = fake_quantize(w, scheme, qp)
+    mod.weight.copy_(new)
+    state.weight_schemes[name] = scheme
+
+
 def kv_plan_from(recipe: Recipe, stats: CalibStats | None):
     """The KV plan of ``recipe`` with static scales from ``stats``."""
     if recipe.kv_cache is None:
@@ -136,6 +155,7 @@ def quantize(
     calibration: torch.Tensor | None = None,
     progress: bool = True,
     store: LayerStore | None = None,
+    on_layer: Callable[[int, QuantState], None] | None = None,
 ) -> QuantState:
     """Quantize ``model`` in place by round-to-nearest as ``recipe`` says.
 
@@ -152,6 +172,9 @@ def quantize(
         store: the :class:`~lowbit.offload.LayerStore` of a lazily loaded model: one
             decoder layer is in memory at a time, and the layers are left released
             (``store.materialize()`` loads them back).
+        on_layer: called as ``on_layer(i, state)`` when decoder layer ``i`` is done
+            (quantized, still in memory; ``state`` has its QTensors, input and KV scales),
+            for every layer in order — e.g. :meth:`lowbit.export.stream.LayerwiseExport.layer_done`.
 
     Returns:
         The :class:`QuantState` that :func:`~lowbit.runtime.quantized_execution` runs.
@@ -167,7 +190,7 @@ def quantize(
         from .layerwise import quantize_layerwise
 
         return quantize_layerwise(model, recipe, calibration, keep_qtensors=keep_qtensors, progress=progress,
-                                  store=store)
+                                  store=store, on_layer=on_layer)
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
@@ -176,38 +199,28 @@ def quantize(
     if recipe.needs_calibration and stats is None:
         raise ValueError(f"recipe {recipe.name!r} has static (calibrated) scales; it needs calibration statistics")
     state = QuantState(recipe)
-    layer_of = _layer_index(arch.layers)
-    siblings = sibling_groups(model)
-    current, shared = (), {}  # the decoder layer being quantized (None: outside the layers)
-    for name in progress_bar(list(plan), f"quantizing ({recipe.name})", enabled=progress):
-        wscheme = plan[name][0]
-        mod = modules[name]
-        if layer_of(name) != current:
-            if store is not None and current not in ((), None):
-                store.release(current)
-            current = layer_of(name)
-            if store is not None and current is not None:
-                store.load(current)
-            # fused siblings share a global scale; they are always in the same layer
-            shared = shared_global_scales(modules, {n: v for n, v in plan.items() if layer_of(n) == current}, siblings)
-        if wscheme is not None:
-            w = mod.weight.detach()
-            try:
-                qp = compute_qparams(w, wscheme, shared.get(name))
-            except NonFiniteError as e:
-                raise NonFiniteError(f"weight of {name}: {e}") from None
-            if keep_qtensors:
-                qt = quantize_tensor(w, wscheme, qp)
-                state.weights[name] = qt
-                new = dequantize(qt, w.dtype)
-            else:
-                new = fake_quantize(w, wscheme, qp)
-            mod.weight.copy_(new)
-            state.weight_schemes[name] = wscheme
-    if store is not None and current not in ((), None):
-        store.release(current)
     state.activations = activation_plan(plan, stats)
     if only is None:
         state.kv = kv_plan_from(recipe, stats)
+    layer_of = _layer_index(arch.layers)
+    by_part: dict[int | None, list[str]] = {}  # decoder layer (None: outside the layers) → its Linears
+    for n in plan:
+        by_part.setdefault(layer_of(n), []).append(n)
+    if store is not None or on_layer is not None:  # every layer, also those with nothing to quantize
+        by_part = {k: by_part.get(k, []) for k in (None, *range(len(decoder_layers(model))))}
+    siblings = sibling_groups(model)
+    for part, part_names in progress_bar(list(by_part.items()), f"quantizing ({recipe.name})", enabled=progress):
+        if store is not None and part is not None:
+            store.load(part)
+        # fused siblings share a global scale; they are always in the same layer
+        shared = shared_global_scales(modules, {n: plan[n] for n in part_names}, siblings)
+        for name in part_names:
+            if plan[name][0] is not None:
+                _round_weight(modules[name], name, plan[name][0], shared.get(name), keep_qtensors, state)
+        if part is not None:
+            if on_layer is not None:
+                on_layer(part, state)
+            if store is not None:
+                store.release(part)
     log.info("quantized %d weights, %d inputs with %s", len(state.weight_schemes), len(state.activations), recipe.name)
     return state

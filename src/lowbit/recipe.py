@@ -94,10 +94,12 @@ class Algorithms:
             Hadamard matrices (QuaRot / SpinQuant-style); ``{seed, residual, down}``.
         smoothquant: ``{alpha}`` migration strength.
         awq: ``{grid, clip, duo_scaling, tokens}``: scale search, then the clipping search.
-        gptq: ``{block_size, damp, act_order, static_groups}``; unset keys take
+        gptq: ``{block_size, damp, act_order, static_groups, hessian}``; unset keys take
             :data:`GPTQ_DEFAULTS` (activation order with static groups, as
             llm-compressor's default ``actorder: static``: on SmolLM2 int4 g64 it halves
-            each layer's output error against storage order).
+            each layer's output error against storage order).  ``hessian``: ``bf16``
+            forms ``XᵀX`` from bf16 products accumulated in fp32 (oneDNN's bf16 math on
+            CPUs that have it), ``fp32`` in plain fp32 (see :mod:`lowbit.layerwise`).
         observer: ``minmax`` or ``mse`` (clipping search); ``mse_importance`` weights the
             search by each input channel's mean x².
         outliers: keep input channels whose calibrated absmax exceeds ``threshold`` × the
@@ -121,6 +123,8 @@ class Algorithms:
             raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.gptq is not None and self.gptq.get("hessian", "bf16") not in ("bf16", "fp32"):
+            raise ValueError(f"gptq.hessian must be bf16 or fp32, got {self.gptq['hessian']!r}")
 
     @property
     def layerwise(self) -> bool:
@@ -133,13 +137,13 @@ class Algorithms:
 #: GPTQ settings a recipe does not give.  ``act_order`` + ``static_groups``: columns in
 #: decreasing ``H_ii`` order, group scales from the original weights in storage order
 #: (an ordinary group-quantized tensor, no ``g_idx``).
-GPTQ_DEFAULTS = {"block_size": 128, "damp": 0.01, "act_order": True, "static_groups": True}
+GPTQ_DEFAULTS = {"block_size": 128, "damp": 0.01, "act_order": True, "static_groups": True, "hessian": "bf16"}
 
 _ALGO_KEYS = {
     "rotation": {"seed", "residual", "down"},
     "smoothquant": {"alpha"},
     "awq": {"grid", "clip", "duo_scaling", "tokens"},
-    "gptq": {"block_size", "damp", "act_order", "static_groups"},
+    "gptq": {"block_size", "damp", "act_order", "static_groups", "hessian"},
     "outliers": {"threshold", "top_k"},
 }
 

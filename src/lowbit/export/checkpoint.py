@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import __version__
 from ..io import atomic_dir
+from ..offload import checkpoint_files, read_tensors
 from ..models import arch_of
 from ..pipeline import sibling_groups
 from ..runtime import QuantState
@@ -115,23 +116,34 @@ def checkpoint_tensors(model: nn.Module, state: QuantState, dtype: torch.dtype) 
     Quantized Linears get their compressed-tensors tensors; everything else is written in
     ``dtype``; a tensor tied to an earlier one (lm_head to the embeddings) is written once.
     """
+    return part_tensors(model.state_dict().items(), model, state, dtype, set())
+
+
+def part_tensors(named, model: nn.Module, state: QuantState, dtype: torch.dtype,
+                 seen: set[int]) -> tuple[dict[str, torch.Tensor], int]:
+    """:func:`checkpoint_tensors` for the tensors ``named`` (``(full name, tensor)`` pairs,
+    e.g. one decoder layer's): the Linears among them that ``state`` quantized, their
+    input scales, and the KV scales of the attention modules among them.  ``seen`` holds
+    the storage of tensors already written by earlier parts (ties are written once)."""
+    named = list(named)
     plan = plan_of(state)
-    missing = [n for n, (w, _) in plan.items() if w is not None and n not in state.weights]
+    modules = {name.rpartition(".")[0] for name, _ in named}
+    local_plan = {n: v for n, v in plan.items() if n in modules}
+    missing = [n for n, (w, _) in local_plan.items() if w is not None and n not in state.weights]
     if missing:
         raise ValueError(f"export needs the QTensor of every quantized weight (quantize with keep_qtensors=True); "
                          f"missing {missing[:3]}")
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict().items():
+    for name, t in named:
         module, _, leaf = name.rpartition(".")
-        if module in plan and leaf == "weight":
+        if module in local_plan and leaf == "weight":
             continue
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         out[name] = t.detach().to(dtype).contiguous()
     quantized = 0
-    for name, (w, i) in plan.items():
+    for name, (w, i) in local_plan.items():
         local = weight_tensors(state.weights[name], ct_format(w, i), dtype)
         if name in state.activations:
             local.update(input_tensors(state.activations[name]))
@@ -143,11 +155,30 @@ def checkpoint_tensors(model: nn.Module, state: QuantState, dtype: torch.dtype) 
         arch, kv = arch_of(model), state.kv
         for layer in sorted(kv.k_amax):
             prefix = f"{arch.layers}.{layer}.{arch.attn}"
+            if prefix not in modules and not any(m.startswith(prefix + ".") for m in modules):
+                continue
             for leaf, amax, s in (("k_scale", kv.k_amax[layer], kv.config.scheme),
                                   ("v_scale", kv.v_amax[layer], kv.config.v_scheme)):
                 a = amax.float().reshape(1, 1)
                 out[f"{prefix}.{leaf}"] = s.scales_from_range(-a, a)[0].reshape(1).contiguous()
     return out, quantized
+
+
+def write_metadata(folder: Path, model: nn.Module, qc: dict, *, dtype: torch.dtype, tokenizer=None,
+                   source: Path | None = None) -> None:
+    """``config.json`` with ``qc`` as its ``quantization_config``, the generation config (the
+    source folder's, else the model's) and the tokenizer, into ``folder``."""
+    cfg = model.config.to_dict()
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    cfg["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = Path(source) / "generation_config.json" if source else None
+    if gen is not None and gen.exists():
+        (folder / "generation_config.json").write_text(gen.read_text())
+    elif getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def _predicted_bytes(model: nn.Module, state: QuantState) -> int:
@@ -232,17 +263,7 @@ def export(
         qc = quantization_config(model, state)
         tensors, quantized = checkpoint_tensors(model, state, dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        cfg = model.config.to_dict()
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-        cfg["quantization_config"] = qc
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        gen = Path(source) / "generation_config.json" if source else None
-        if gen is not None and gen.exists():
-            (tmp / "generation_config.json").write_text(gen.read_text())
-        elif getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write_metadata(tmp, model, qc, dtype=dtype, tokenizer=tokenizer, source=source)
         file_bytes = (tmp / "model.safetensors").stat().st_size
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         sizes = SizeReport(file_bytes, quantized, _predicted_bytes(model, state), total - quantized)
@@ -265,13 +286,11 @@ def read_into(model: nn.Module, folder: Path) -> nn.Module:
     """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors import safe_open
-
     qc = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qc)
     groups = list(parsed.config_groups.values())
-    with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
-        stored = {k: f.get_tensor(k) for k in f.keys()}
+    files = checkpoint_files(folder)
+    stored = read_tensors(files, list(files))
     params = dict(model.named_parameters())
     for name, mod in model.named_modules():
         # a quantized Linear always stores a weight scale (its "weight", if any, holds codes)

@@ -10,11 +10,19 @@ __all__ = ["register", "cmd_quantize", "cmd_serve_command"]
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from .checkpoint import quantize_to_folder
+    from .stream import quantize_streaming
 
-    res = quantize_to_folder(
-        args.model, args.recipe, Path(args.out), force=args.force, calib_windows=args.calib_windows,
-        corpus=args.corpus, seed=args.seed, evaluate=args.eval, windows=args.windows, cache=args.cache,
-    )
+    if args.low_memory:
+        if args.eval:
+            raise ValueError("--low-memory does not evaluate (that needs the whole model in memory); pass --no-eval "
+                             f"and run `lowbit eval {args.out} --reference {args.model}` afterwards")
+        res = quantize_streaming(args.model, args.recipe, Path(args.out), force=args.force,
+                                 calib_windows=args.calib_windows, corpus=args.corpus, seed=args.seed, cache=args.cache)
+    else:
+        res = quantize_to_folder(
+            args.model, args.recipe, Path(args.out), force=args.force, calib_windows=args.calib_windows,
+            corpus=args.corpus, seed=args.seed, evaluate=args.eval, windows=args.windows, cache=args.cache,
+        )
     s = res.sizes
     print(f"wrote {res.path} ({', '.join(sorted(set(res.formats))) or 'no quantized Linears'})")
     print(f"size on disk: {s.file_bytes / 2**20:.2f} MiB; quantized Linears {s.quantized_bytes / 2**20:.2f} MiB, "
@@ -47,6 +55,9 @@ def register(subparsers) -> None:
     p.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True,
                    help="evaluate the written checkpoint against the unquantized model (default on)")
     p.add_argument("--windows", type=int, default=64, help="evaluation windows (default 64)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="hold one decoder layer in memory at a time, reading the model from its safetensors and "
+                        "writing the checkpoint layer by layer (for models larger than memory; needs --no-eval)")
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     p.set_defaults(func=cmd_quantize)
 
