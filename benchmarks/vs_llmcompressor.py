@@ -202,7 +202,7 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
     from lowbit.kv import KVPlan
     from lowbit.pipeline import quantize
     from lowbit.recipe import RECIPES
-    from lowbit.runtime import ActQuant, quantized_execution
+    from lowbit.runtime import quantized_execution
 
     model = load_model(str(folder))[0]
     rt = runtime_only(RECIPES[cfg.lowbit])

@@ -4,8 +4,6 @@ they must be, and reduce error where they should."""
 import pytest
 import torch
 
-import lowbit as lb
-from lowbit.calibrate import collect_stats
 from lowbit.evaluate import evaluate, reference_predictions
 from lowbit.layerwise import capture_inputs
 from lowbit.models import decoder_layers
@@ -137,15 +135,16 @@ def test_layerwise_needs_calibration(tiny_llama):
 
 @pytest.mark.parametrize("d,blocks", [(7, 4), (96, 4), (130, 3), (64, 1)])
 def test_gram_from_upper_blocks_equals_xtx(d, blocks):
-    from lowbit.layerwise import _InputStats, _add_gram
+    from lowbit.inputstats import InputStats, _add_gram
 
     g = torch.Generator().manual_seed(d)
     xs = [torch.randn(50, d, generator=g) * torch.logspace(-1, 1, d) for _ in range(3)]
-    st = _InputStats()
+    st = InputStats()
     for x in xs:
-        st.add(x, hessian=True, squares=False, sample_every=0)
+        st.add(x, gram=True)
     x = torch.cat(xs).double()
     torch.testing.assert_close(st.hessian.double(), x.T @ x, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st.sq_sum.double(), (x * x).sum(0), rtol=1e-5, atol=1e-4)  # the diagonal
     assert torch.equal(st.hessian, st.hessian.T)
     upper = torch.zeros(d, d)
     _add_gram(upper, xs[0], blocks)
@@ -154,7 +153,7 @@ def test_gram_from_upper_blocks_equals_xtx(d, blocks):
 
 
 def test_gram_in_bf16_products_is_close_and_restores_the_setting():
-    from lowbit.layerwise import _add_gram, _matmul_precision
+    from lowbit.inputstats import _add_gram, _matmul_precision
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 96, generator=g) * torch.logspace(-1, 1, 96)

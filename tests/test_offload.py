@@ -151,11 +151,3 @@ def test_missing_tensors_and_closed_store(tiny_llama, tmp_path):
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_lazy(folder)
-
-
-def test_heap_trim_is_available_on_glibc():
-    import platform
-
-    from lowbit import heap
-
-    assert heap.trim() is (platform.libc_ver()[0] == "glibc")

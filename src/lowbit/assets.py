@@ -23,7 +23,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile

@@ -132,7 +132,7 @@ def gptq(
     U = _upper_cholesky_of_inverse(H, damp)                      # (in, in), H⁻¹ = Uᵀ U
 
     Qt = torch.empty_like(Wt)                                    # (in, out) element values (with zero)
-    col_scale: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * n_groups  # (out,), (out,)|None
+    col_scale: list[tuple | None] = [None] * n_groups            # per group: _per_row's (s, safe, z)
     # `in` rounds of small vector ops: extra threads would only add synchronisation
     with _one_thread():
         for i1 in range(0, cols, block_size):
@@ -149,9 +149,9 @@ def gptq(
                         current = _current_columns(inv_perm[c], Wt, W1, E1, U, i1, i)  # (out, width)
                         qps[g] = observe(current, c, global_scale)
                     col_scale[g] = _per_row(qps[g], br, rows)
-                s, z = col_scale[g]
+                s, safe, z = col_scale[g]
                 w_col = W1[i]                                        # (out,)
-                q, w_hat = _round_column(w_col, s, z, fmt)
+                q, w_hat = _round_column(w_col, s, safe, z, fmt)
                 Qt[i1 + i] = q
                 err = E1[i]
                 torch.sub(w_col, w_hat, out=err).div_(d[i])          # (out,)
@@ -237,23 +237,25 @@ def _current_columns(
         out[~inside] = Wt[beyond] - U[i1:i1 + i, beyond].T @ E1[:i]
     return out.T
 
-def _per_row(qp: QParams, br: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A group's ``(R, 1)`` effective scale and zero, expanded to one entry per row."""
+def _per_row(qp: QParams, br: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A group's ``(R, 1)`` effective scale and zero expanded to one entry per row:
+    ``(s, safe, z)`` with ``safe`` the divisor :func:`_round_column` uses (``inf`` where
+    ``s`` is 0, so that such rows round to zero), formed once per group."""
     s = _effective_scale(qp)[:, 0].repeat_interleave(br)[:rows]  # (out,)
+    safe = torch.where(s > 0, s, torch.full_like(s, float("inf")))
     z = None if qp.zero is None else qp.zero[:, 0].repeat_interleave(br)[:rows]
-    return s, z
+    return s, safe, z
 
 
 def _round_column(
-    w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, fmt
+    w: torch.Tensor, s: torch.Tensor, safe: torch.Tensor, z: torch.Tensor | None, fmt
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Element values ``q`` and dequantized ``(q − z)·s`` of one column, with exactly the
     arithmetic of :func:`lowbit.qtensor.fake_quantize` (so that ``H = I`` gives RTN bit
-    for bit).  A zero scale sends the column to zero."""
-    safe = torch.where(s > 0, s, torch.full_like(s, float("inf")))
+    for bit).  A zero scale (``safe = inf``) sends the column to zero."""
     x = w / safe
     if z is not None:
-        x = x + z
+        x += z
     q = fmt.round(x)
     w_hat = (q - z) * s if z is not None else q * s
     return q, w_hat
