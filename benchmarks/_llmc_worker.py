@@ -58,7 +58,7 @@ def recipe_for(config: str):
             from llmcompressor.pipelines.cache import IntermediatesCache
 
             IntermediatesCache.pin_memory = lambda self, *a, **k: None  # CPU: pin_memory needs an accelerator
-            return [AWQModifier(duo_scaling="both", ignore=ign),
+            return [AWQModifier(duo_scaling="both"),  # AWQ smooths its mappings only: no ignore list
                     QuantizationModifier(config_groups=_cg(asym), ignore=ign)], "sequential"
     if config == "w8a8-int8":
         return QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ign), "independent"
