@@ -9,7 +9,10 @@ gather of the targets); the variants alternate and the best round of each is kep
                    fewer (no fresh 100 MB logits tensor per window);
 * ``*/eager``      transformers' eager attention (matmul, mask, softmax, matmul) instead of SDPA;
 * ``*/packed``     every decoder Linear through MKL with its weight packed once
-                   (``torch.ops.mkl._mkl_linear``, what inductor's freezing uses).
+                   (``torch.ops.mkl._mkl_linear``, what inductor's freezing uses);
+* ``full/sdpa/bf16-inputs`` — not exact, for scale: every matmul with its inputs rounded to BF16
+                   (oneDNN AMX, ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), FP32
+                   accumulation and output.
 
 It prints ms per window, the speed against ``full/sdpa`` and each variant's perplexity.
 Run: ``.venv/bin/python benchmarks/eval_variants.py [--threads 1] [--windows 4] [--rounds 3]``
@@ -73,19 +76,24 @@ def main() -> None:
 
             m.forward = forward
 
-    variants = {f"{f}/{attn}{'/packed' if p else ''}": (fn, attn, p)
+    variants = {f"{f}/{attn}{'/packed' if p else ''}": (fn, attn, p, "none")
                 for p in (False, True) for attn in ("sdpa", "eager") for f, fn in (("full", full), ("split", split))}
+    variants["full/sdpa/bf16-inputs"] = (full, "sdpa", False, "bf16")
     best = dict.fromkeys(variants, math.inf)
     total = {}
     with torch.inference_mode():
         for _ in range(args.rounds):
-            for name, (fn, attn, p) in variants.items():
+            for name, (fn, attn, p, precision) in variants.items():
                 model.set_attn_implementation(attn)
                 packed(p)
-                fn(windows[:1])  # warm-up
-                t0 = time.perf_counter()
-                total[name] = sum(fn(windows[i : i + 1]) for i in range(len(windows)))
-                best[name] = min(best[name], time.perf_counter() - t0)
+                torch.backends.mkldnn.matmul.fp32_precision = precision
+                try:
+                    fn(windows[:1])  # warm-up
+                    t0 = time.perf_counter()
+                    total[name] = sum(fn(windows[i : i + 1]) for i in range(len(windows)))
+                    best[name] = min(best[name], time.perf_counter() - t0)
+                finally:
+                    torch.backends.mkldnn.matmul.fp32_precision = "none"
         packed(False)
     n = len(windows) * (tokens - 1)
     print(f"SmolLM2-135M, {len(windows)} windows x {tokens} tokens, {torch.get_num_threads()} torch threads, "
