@@ -96,7 +96,7 @@ def configs_for(group: int) -> list[Config]:
                                        llmc=c.llmc.replace("g64", g) if c.llmc else None))
     return out
 
-#: llm-compressor's AWQ takes ~42 minutes on this machine, so by default it is not re-run and
+#: llm-compressor's AWQ takes 42-46 minutes on this machine, so by default it is not re-run and
 #: the table shows the figure recorded in issue 6 (llm-compressor 0.14.0.1, CPU, 2 threads,
 #: same protocol) — RECORDED, NOT RE-RUN; no peak memory was recorded.
 RECORDED_LLMC_AWQ = {"ppl": 25.61, "delta_pct": 17.2, "kl_mean": 0.168, "top1": 0.788, "quantize_seconds": 2552.0,
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=int, default=128)
     ap.add_argument("--skip-llmc", action="store_true", help="lowbit side only")
     ap.add_argument("--llmc-awq", action="store_true",
-                    help="re-run llm-compressor's AWQ (~42 min here); default: show the issue's recorded figure")
+                    help="re-run llm-compressor's AWQ (42-46 min here; session 4: 2,776 s); default: show the issue's recorded figure")
     ap.add_argument("--llmc-python", default=DEFAULT_LLMC_PYTHON)
     ap.add_argument("--json", type=Path, help="write results here (rewritten after every configuration)")
     ap.add_argument("--resume", type=Path,
