@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from lowbit.calibrate import collect_stats
-from lowbit.compare import Workbench
-from lowbit.evaluate import evaluate
-from lowbit.parallel import default_workers
-from lowbit.runtime import plain_forward
+from lowbit.quantization.calibrate import collect_stats
+from lowbit.evaluation.compare import Workbench
+from lowbit.evaluation.metrics import evaluate
+from lowbit.util.parallel import default_workers
+from lowbit.quantization.runtime import plain_forward
 
 
 def plain_loop(model, windows) -> float:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from lowbit.compare import Workbench
+from lowbit.evaluation.compare import Workbench
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import time
 import torch
 
 import lowbit as lb
-from lowbit import formats as F
+from lowbit.numerics import formats as F
 
 SCHEMES = ["fp8-channel", "int4-g128", "mxfp4", "nvfp4"]
 N = 4096

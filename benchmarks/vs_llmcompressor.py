@@ -79,7 +79,7 @@ BY_KEY = {c.key: c for c in CONFIGS}
 def configs_for(group: int) -> list[Config]:
     """The table's configurations with INT4 groups of ``group`` (64: the issue's table; 128:
     its repeat on Gemma-3-270m).  Rows without a ``group``-sized preset are dropped."""
-    from lowbit.recipe import RECIPES
+    from lowbit.quantization.recipe import RECIPES
 
     if group == 64:
         return CONFIGS
@@ -119,14 +119,14 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: s
     import torch
     from safetensors.torch import load_file
 
-    from lowbit.calibrate import collect_stats
-    from lowbit.compare import Workbench
-    from lowbit.evaluate import evaluate
-    from lowbit.loading import load_model
-    from lowbit.offload import LayerStore
-    from lowbit.pipeline import quantize
-    from lowbit.recipe import RECIPES
-    from lowbit.runtime import quantized_execution
+    from lowbit.quantization.calibrate import collect_stats
+    from lowbit.evaluation.compare import Workbench
+    from lowbit.evaluation.metrics import evaluate
+    from lowbit.models.loading import load_model
+    from lowbit.models.offload import LayerStore
+    from lowbit.quantization.pipeline import quantize
+    from lowbit.quantization.recipe import RECIPES
+    from lowbit.quantization.runtime import quantized_execution
 
     recipe = RECIPES[recipe_name]
     calib = load_file(calib_path)["input_ids"]
@@ -182,7 +182,7 @@ def _row_dict(ev, quantize_seconds: float | None, peak_mib: float | None, note: 
 def runtime_only(recipe):
     """``recipe`` with weights and calibration algorithms removed: only its input and KV
     quantization remain (None if it has neither)."""
-    from lowbit.recipe import Algorithms, Rule
+    from lowbit.quantization.recipe import Algorithms, Rule
 
     rules = tuple(Rule(r.targets, None, r.inputs) for r in recipe.rules if r.inputs is not None)
     if not rules and recipe.kv_cache is None:
@@ -197,12 +197,12 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
     import torch
     from safetensors.torch import load_file
 
-    from lowbit.loading import load_model
-    from lowbit.evaluate import evaluate
-    from lowbit.kv import KVPlan
-    from lowbit.pipeline import quantize
-    from lowbit.recipe import RECIPES
-    from lowbit.runtime import quantized_execution
+    from lowbit.models.loading import load_model
+    from lowbit.evaluation.metrics import evaluate
+    from lowbit.quantization.kv import KVPlan
+    from lowbit.quantization.pipeline import quantize
+    from lowbit.quantization.recipe import RECIPES
+    from lowbit.quantization.runtime import quantized_execution
 
     model = load_model(str(folder))[0]
     rt = runtime_only(RECIPES[cfg.lowbit])
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from lowbit.compare import Workbench
+    from lowbit.evaluation.compare import Workbench
 
     t_start = time.perf_counter()
     wb = Workbench.load(a.model, corpus="wiki", windows=a.windows, calib_windows=a.calib, seed=0, progress=False)

@@ -18,7 +18,7 @@ import torch
 def lowbit_logprobs(folder: str, prompts_file: str, out: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from lowbit.export.checkpoint import read_into
+    from lowbit.checkpoint.write import read_into
 
     cfg = AutoConfig.from_pretrained(folder)
     if hasattr(cfg, "quantization_config"):

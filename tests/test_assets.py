@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit import assets, corpora
-from lowbit.assets import (CORPUS_ASSETS, MODEL_ASSETS, CorpusAsset, Document, ModelAsset, cache_dir,
+from lowbit.models import assets
+from lowbit.models import corpora
+from lowbit.models.assets import (CORPUS_ASSETS, MODEL_ASSETS, CorpusAsset, Document, ModelAsset, cache_dir,
                            fetch, load_documents)
-from lowbit.loading import ModelInfo, load_model
-from lowbit.corpora import brown_document, clean_wikitext, detokenize, wiki_documents, wikitext_articles
+from lowbit.models.loading import ModelInfo, load_model
+from lowbit.models.corpora import brown_document, clean_wikitext, detokenize, wiki_documents, wikitext_articles
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from lowbit.analysis import kv_stats, sensitivity
-from lowbit.loading import ModelInfo
-from lowbit.compare import Workbench, compare, kv_bits, save_json, weight_bits
-from lowbit.recipe import RECIPES
+from lowbit.evaluation.analysis import kv_stats, sensitivity
+from lowbit.models.loading import ModelInfo
+from lowbit.evaluation.compare import Workbench, compare, kv_bits, save_json, weight_bits
+from lowbit.quantization.recipe import RECIPES
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit import data
-from lowbit.assets import Document
-from lowbit.data import calibration_windows, eval_windows, split_documents, token_stream, windows_for
+from lowbit.data import windows as data
+from lowbit.models.assets import Document
+from lowbit.data.windows import calibration_windows, eval_windows, split_documents, token_stream, windows_for
 
 
 def _docs(n: int) -> list[Document]:

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from lowbit.evaluate import evaluate, reference_predictions
-from lowbit.pipeline import quantize
-from lowbit.recipe import RECIPES
-from lowbit.runtime import plain_forward, quantized_execution
+from lowbit.evaluation.metrics import evaluate, reference_predictions
+from lowbit.quantization.pipeline import quantize
+from lowbit.quantization.recipe import RECIPES
+from lowbit.quantization.runtime import plain_forward, quantized_execution
 
 
 def test_kl_of_a_model_with_itself_is_zero(tiny_llama, windows):

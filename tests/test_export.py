@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lowbit.calibrate import collect_stats
-from lowbit.export.checkpoint import export, quantization_config
-from lowbit.export.compressed_tensors import UnsupportedScheme, check_recipe
-from lowbit.pipeline import quantize, sibling_groups
-from lowbit.qtensor import dequantize
-from lowbit.recipe import RECIPES, recipe_from_dict
-from lowbit.runtime import quantized_execution
+from lowbit.quantization.calibrate import collect_stats
+from lowbit.checkpoint.write import export, quantization_config
+from lowbit.checkpoint.compressed_tensors import UnsupportedScheme, check_recipe
+from lowbit.quantization.pipeline import quantize, sibling_groups
+from lowbit.numerics.qtensor import dequantize
+from lowbit.quantization.recipe import RECIPES, recipe_from_dict
+from lowbit.quantization.runtime import quantized_execution
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
@@ -264,8 +264,8 @@ def test_mixed_groups_and_ignore():
 def test_serve_command_and_cli(tmp_path, capsys):
     import argparse
 
-    from lowbit.export.commands import register
-    from lowbit.export.serve import serve_plan
+    from lowbit.cli.quantize import register
+    from lowbit.checkpoint.serve import serve_plan
 
     model, state = _quantized(RECIPES["kv-fp8"])
     export(model, state, tmp_path / "kv", dtype=torch.float32)
@@ -288,7 +288,7 @@ def test_serve_command_and_cli(tmp_path, capsys):
 
 
 def test_quantize_to_folder_refuses_before_loading(tmp_path):
-    from lowbit.export.checkpoint import quantize_to_folder
+    from lowbit.checkpoint.write import quantize_to_folder
 
     (tmp_path / "exists").mkdir()
     with pytest.raises(FileExistsError):
@@ -304,7 +304,7 @@ def test_load_model_reads_a_compressed_tensors_folder(exported):
 
     from transformers import AutoConfig
 
-    from lowbit.loading import _load_compressed_tensors
+    from lowbit.models.loading import _load_compressed_tensors
 
     recipe, model, state, folder, _ = exported
     with warnings.catch_warnings():

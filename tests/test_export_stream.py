@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from lowbit.export.checkpoint import checkpoint_tensors, export, read_into
-from lowbit.export.stream import LayerwiseExport
-from lowbit.layerwise import quantize_layerwise
-from lowbit.offload import LayerStore, checkpoint_files, load_lazy, read_tensors
-from lowbit.pipeline import quantize
-from lowbit.recipe import RECIPES
+from lowbit.checkpoint.write import checkpoint_tensors, export, read_into
+from lowbit.checkpoint.stream import LayerwiseExport
+from lowbit.quantization.layerwise import quantize_layerwise
+from lowbit.models.offload import LayerStore, checkpoint_files, load_lazy, read_tensors
+from lowbit.quantization.pipeline import quantize
+from lowbit.quantization.recipe import RECIPES
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lowbit import formats as F
+from lowbit.numerics import formats as F
 
 ALL = list(F.FORMATS.values())
 FLOATS = [f for f in ALL if f.kind == "float"]

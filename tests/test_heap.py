@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from lowbit import heap
+from lowbit.util import heap
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -20,7 +20,7 @@ def test_trim_is_available_on_glibc():
 _CHILD = textwrap.dedent(
     """
     import ctypes, ctypes.util, torch
-    from lowbit import heap
+    from lowbit.util import heap
 
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in

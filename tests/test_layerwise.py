@@ -4,12 +4,12 @@ they must be, and reduce error where they should."""
 import pytest
 import torch
 
-from lowbit.evaluate import evaluate, reference_predictions
-from lowbit.layerwise import capture_inputs
-from lowbit.models import decoder_layers
-from lowbit.pipeline import quantize
-from lowbit.recipe import RECIPES, recipe_from_dict
-from lowbit.runtime import plain_forward, quantized_execution
+from lowbit.evaluation.metrics import evaluate, reference_predictions
+from lowbit.quantization.layerwise import capture_inputs
+from lowbit.models.arch import decoder_layers
+from lowbit.quantization.pipeline import quantize
+from lowbit.quantization.recipe import RECIPES, recipe_from_dict
+from lowbit.quantization.runtime import plain_forward, quantized_execution
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_layerwise_needs_calibration(tiny_llama):
 
 @pytest.mark.parametrize("d,blocks", [(7, 4), (96, 4), (130, 3), (64, 1)])
 def test_gram_from_upper_blocks_equals_xtx(d, blocks):
-    from lowbit.inputstats import InputStats, _add_gram
+    from lowbit.quantization.inputstats import InputStats, _add_gram
 
     g = torch.Generator().manual_seed(d)
     xs = [torch.randn(50, d, generator=g) * torch.logspace(-1, 1, d) for _ in range(3)]
@@ -153,7 +153,7 @@ def test_gram_from_upper_blocks_equals_xtx(d, blocks):
 
 
 def test_gram_in_bf16_products_is_close_and_restores_the_setting():
-    from lowbit.inputstats import _add_gram, _matmul_precision
+    from lowbit.quantization.inputstats import _add_gram, _matmul_precision
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 96, generator=g) * torch.logspace(-1, 1, 96)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from greenlet import greenlet
 
-from lowbit.lockstep import LockstepError, run_in_lockstep
+from lowbit.util.lockstep import LockstepError, run_in_lockstep
 
 
 def _live_coroutines() -> int:

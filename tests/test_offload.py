@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowbit.models import decoder_layers
-from lowbit.offload import LayerStore, is_lazy, load_lazy
-from lowbit.pipeline import quantize
-from lowbit.recipe import RECIPES, recipe_from_dict
-from lowbit.runtime import plain_forward, quantized_execution
+from lowbit.models.arch import decoder_layers
+from lowbit.models.offload import LayerStore, is_lazy, load_lazy
+from lowbit.quantization.pipeline import quantize
+from lowbit.quantization.recipe import RECIPES, recipe_from_dict
+from lowbit.quantization.runtime import plain_forward, quantized_execution
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_lazy_quantization_equals_in_memory(tiny_llama, windows, calib, tmp_path
     needs_stats = r.needs_calibration and not r.algorithms.layerwise
     stats = None
     if needs_stats:
-        from lowbit.calibrate import collect_stats
+        from lowbit.quantization.calibrate import collect_stats
 
         stats = collect_stats(eager, calib, progress=False, workers=1)
     kw = {"calibration": calib} if r.algorithms.layerwise else {}

@@ -4,8 +4,8 @@ unpackers as the reference."""
 import pytest
 import torch
 
-from lowbit import formats as F
-from lowbit.pack import pack_int32, pack_nibbles, unpack_int32, unpack_nibbles
+from lowbit.numerics import formats as F
+from lowbit.numerics.pack import pack_int32, pack_nibbles, unpack_int32, unpack_nibbles
 
 
 def test_int4_worked_example():

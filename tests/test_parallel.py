@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from lowbit.calibrate import collect_stats
-from lowbit.evaluate import evaluate, reference_predictions
-from lowbit.parallel import default_workers, map_shards
-from lowbit.pipeline import quantize
-from lowbit.recipe import recipe_from_dict
-from lowbit.runtime import plain_forward, quantized_execution
+from lowbit.quantization.calibrate import collect_stats
+from lowbit.evaluation.metrics import evaluate, reference_predictions
+from lowbit.util.parallel import default_workers, map_shards
+from lowbit.quantization.pipeline import quantize
+from lowbit.quantization.recipe import recipe_from_dict
+from lowbit.quantization.runtime import plain_forward, quantized_execution
 
 
 def test_shards_cover_every_item_once_in_order():

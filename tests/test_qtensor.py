@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit import formats as F
-from lowbit.granularity import parse_granularity
+from lowbit.numerics import formats as F
+from lowbit.numerics.granularity import parse_granularity
 
 W8 = torch.tensor([[0.12, -0.50, 0.31, 0.90, -0.05, 0.00, 0.44, -0.27]])
 
 
 def test_worked_example_int4_symmetric():
-    qt = lb.quantize(W8, lb.Scheme(F.INT4, lb.CHANNEL))
+    qt = lb.quantize_tensor(W8, lb.Scheme(F.INT4, lb.CHANNEL))
     assert qt.scale.item() == pytest.approx(0.9 / 7) and round(qt.scale.item(), 4) == 0.1286
     assert qt.values().tolist() == [[1, -4, 2, 7, 0, 0, 3, -2]]
     mse = ((lb.dequantize(qt) - W8) ** 2).mean().item()
@@ -21,7 +21,7 @@ def test_worked_example_int4_symmetric():
 
 
 def test_worked_example_int4_asymmetric():
-    qt = lb.quantize(W8, lb.Scheme(F.UINT4, lb.CHANNEL, symmetric=False))
+    qt = lb.quantize_tensor(W8, lb.Scheme(F.UINT4, lb.CHANNEL, symmetric=False))
     assert round(qt.scale.item(), 4) == 0.0933
     assert qt.zero.item() == 5
     assert qt.values().tolist() == [[6, 0, 8, 15, 4, 5, 10, 2]]
@@ -31,7 +31,7 @@ def test_worked_example_int4_asymmetric():
 
 def test_worked_example_int8_step():
     x = torch.tensor([[2.54, -1.0, 1.0]])
-    qt = lb.quantize(x, lb.Scheme(F.INT8, lb.TENSOR))
+    qt = lb.quantize_tensor(x, lb.Scheme(F.INT8, lb.TENSOR))
     assert qt.scale.item() == pytest.approx(0.02)
     assert qt.values()[0, 2].item() == 50
 
@@ -58,7 +58,7 @@ def test_storage_for_70b_params(bits, gb):
 def test_ragged_group_has_ceil_scales():
     x = torch.randn(4, 100)
     s = lb.Scheme(F.INT4, lb.group(32))
-    qt = lb.quantize(x, s)
+    qt = lb.quantize_tensor(x, s)
     assert qt.scale.shape == (4, 4)
     assert s.granularity.scale_shape((4, 100)) == (4, 4)
     # the last (ragged) group's scale comes from its own 4 elements
@@ -68,7 +68,7 @@ def test_ragged_group_has_ceil_scales():
 
 def test_block_scale_shape():
     x = torch.randn(300, 260)
-    qt = lb.quantize(x, lb.PRESETS["fp8-block"])
+    qt = lb.quantize_tensor(x, lb.PRESETS["fp8-block"])
     assert qt.scale.shape == (3, 3)
     assert qt.scale[2, 2].item() == pytest.approx(x[256:, 256:].abs().max().item() / 448)
 
@@ -84,7 +84,7 @@ def test_dequantize_is_nearest_representable_under_the_scale(name):
     scheme = lb.PRESETS[name]
     torch.manual_seed(0)
     x = torch.randn(4, 256) * torch.tensor([[0.01], [1.0], [30.0], [1e-3]])
-    qt = lb.quantize(x, scheme)
+    qt = lb.quantize_tensor(x, scheme)
     y = lb.dequantize(qt, torch.float64)
     eff = qt.scale.to(torch.float64)
     if qt.global_scale is not None:
@@ -109,7 +109,7 @@ def test_zero_stays_zero_and_zero_blocks_are_safe(name):
     y = lb.fake_quantize(x, scheme)
     assert torch.all(y[x == 0] == 0)
     assert torch.isfinite(y).all()
-    assert torch.equal(y, lb.dequantize(lb.quantize(x, scheme)))
+    assert torch.equal(y, lb.dequantize(lb.quantize_tensor(x, scheme)))
     z = lb.fake_quantize(torch.zeros(4, 256), scheme)
     assert torch.equal(z, torch.zeros(4, 256))
 
@@ -118,9 +118,9 @@ def test_zero_stays_zero_and_zero_blocks_are_safe(name):
 def test_non_finite_input_is_refused(bad):
     x = torch.randn(4, 64)
     x[1, 5] = bad
-    with pytest.raises(lb.qtensor.NonFiniteError, match="1 of 256 elements are NaN or inf"):
-        lb.quantize(x, lb.PRESETS["int4-g64"])
-    with pytest.raises(lb.qtensor.NonFiniteError):
+    with pytest.raises(lb.numerics.qtensor.NonFiniteError, match="1 of 256 elements are NaN or inf"):
+        lb.quantize_tensor(x, lb.PRESETS["int4-g64"])
+    with pytest.raises(lb.numerics.qtensor.NonFiniteError):
         lb.fake_quantize(x, lb.PRESETS["nvfp4"])
 
 
@@ -128,23 +128,23 @@ def test_mx_scale_follows_ocp_rule_and_round_up_option():
     x = torch.zeros(1, 32)
     x[0, 0] = 7.0  # floor(log2 7) = 2; emax(E2M1) = 2 -> scale 2^0; 7 clips to 6
     ocp = lb.Scheme(F.FP4_E2M1, lb.group(32), scale_dtype="e8m0")
-    qt = lb.quantize(x, ocp)
+    qt = lb.quantize_tensor(x, ocp)
     assert qt.scale.item() == 1.0 and lb.dequantize(qt)[0, 0].item() == 6.0
     # the preset's nearest rule: 7 = 1.75·2^2 counts as 2^3 -> scale 2 -> 3.5 -> 4 (even code) -> 8
-    qt = lb.quantize(x, lb.PRESETS["mxfp4"])
+    qt = lb.quantize_tensor(x, lb.PRESETS["mxfp4"])
     assert qt.scale.item() == 2.0 and lb.dequantize(qt)[0, 0].item() == 8.0
     x[0, 0] = 6.5  # 1.625·2^2: stays at 2^2 -> scale 1, clips to 6
-    assert lb.quantize(x, lb.PRESETS["mxfp4"]).scale.item() == 1.0
+    assert lb.quantize_tensor(x, lb.PRESETS["mxfp4"]).scale.item() == 1.0
     x[0, 0] = 7.0
     up = lb.Scheme(F.FP4_E2M1, lb.group(32), scale_dtype="e8m0", mx_round_up=True)
-    qt = lb.quantize(x, up)  # ceil(log2(7/6)) = 1 -> scale 2, 7/2 = 3.5 -> 4 (tie to even code) -> 8
+    qt = lb.quantize_tensor(x, up)  # ceil(log2(7/6)) = 1 -> scale 2, 7/2 = 3.5 -> 4 (tie to even code) -> 8
     assert qt.scale.item() == 2.0 and lb.dequantize(qt)[0, 0].item() == 8.0
 
 
 def test_nvfp4_scales_follow_reference():
     torch.manual_seed(1)
     x = torch.randn(2, 64)
-    qt = lb.quantize(x, lb.PRESETS["nvfp4"])
+    qt = lb.quantize_tensor(x, lb.PRESETS["nvfp4"])
     amax = x.abs().max()
     assert qt.global_scale.item() == pytest.approx(amax.item() / (448 * 6))
     blk = x.reshape(2, 4, 16).abs().amax(-1)
@@ -156,7 +156,7 @@ def test_nvfp4_scales_follow_reference():
 
 def test_scale_is_stored_rounded():
     x = torch.randn(16, 128) * 3
-    qt = lb.quantize(x, lb.PRESETS["int4-g128"])  # bf16 scales
+    qt = lb.quantize_tensor(x, lb.PRESETS["int4-g128"])  # bf16 scales
     assert torch.equal(qt.scale, qt.scale.to(torch.bfloat16).float())
 
 
@@ -174,7 +174,7 @@ def test_scheme_validation_errors():
 
 
 def test_scheme_from_dict_names_the_key_path():
-    from lowbit.scheme import scheme_from_dict
+    from lowbit.numerics.scheme import scheme_from_dict
 
     s = scheme_from_dict({"format": "int4", "granularity": "group:64", "scale_dtype": "bf16", "full_range": True},
                          "rules[0].weights")
@@ -197,7 +197,7 @@ def test_head_granularity_is_per_head():
     k = torch.randn(2, 3, 10, 8)  # (batch, heads, seq, dim)
     k[:, 1] *= 100
     s = lb.Scheme(F.FP8_E4M3, lb.HEAD)
-    qt = lb.quantize(k, s)
+    qt = lb.quantize_tensor(k, s)
     assert qt.scale.shape == (3, 1)
     assert qt.scale[1].item() == pytest.approx(k[:, 1].abs().max().item() / 448)
     assert lb.dequantize(qt).shape == k.shape
@@ -231,7 +231,7 @@ def test_full_range_int_scale_matches_compressed_tensors():
     from compressed_tensors.quantization.utils import calculate_qparams
 
     full = lb.Scheme(F.INT4, lb.CHANNEL, full_range=True)
-    qt = lb.quantize(W8, full)
+    qt = lb.quantize_tensor(W8, full)
     assert qt.scale.item() == pytest.approx(0.9 / 7.5)
     assert qt.values().tolist() == [[1, -4, 3, 7, 0, 0, 4, -2]]  # 0.9 / 0.12 = 7.5 clips to 7; −8 is usable
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lowbit.compare import Workbench
-from lowbit.recipe import RECIPES
+from lowbit.evaluation.compare import Workbench
+from lowbit.quantization.recipe import RECIPES
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_low_memory_quantize_writes_the_in_memory_checkpoint(tmp_path, capsys):
     """`lowbit quantize --low-memory` on the real model: the shards hold exactly the tensors
     the in-memory export writes, with one decoder layer in memory at a time."""
     from lowbit.cli import main
-    from lowbit.offload import checkpoint_files, read_tensors
+    from lowbit.models.offload import checkpoint_files, read_tensors
 
     args = ["quantize", "smollm2-135m", "--recipe", "w4a16-int4-g64", "--no-eval"]
     assert main(args + ["--out", str(tmp_path / "whole")]) == 0

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 import lowbit as lb
-from lowbit.recipe import RECIPES, COMPARE_DEFAULT, load_recipe, recipe_from_dict
+from lowbit.quantization.recipe import RECIPES, COMPARE_DEFAULT, load_recipe, recipe_from_dict
 
 NAMES = [
     "model.layers.0.self_attn.q_proj",

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit.calibrate import collect_stats
-from lowbit.kv import KVObserver, cache_kwarg, make_cache, quantize_kv
-from lowbit.pipeline import quantize, sibling_groups
-from lowbit.recipe import RECIPES, recipe_from_dict
-from lowbit.runtime import plain_forward, quantized_activations, quantized_execution
+from lowbit.quantization.calibrate import collect_stats
+from lowbit.quantization.kv import KVObserver, cache_kwarg, make_cache, quantize_kv
+from lowbit.quantization.pipeline import quantize, sibling_groups
+from lowbit.quantization.recipe import RECIPES, recipe_from_dict
+from lowbit.quantization.runtime import plain_forward, quantized_activations, quantized_execution
 
 
 def _hook_count(model):
@@ -63,7 +63,7 @@ def test_input_hook_quantizes_what_the_linear_reads(tiny_llama, windows):
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-tensor"])
 def test_siblings_quantize_their_shared_input_once(tiny_llama, windows, recipe, monkeypatch):
-    from lowbit import runtime
+    from lowbit.quantization import runtime
 
     stats = collect_stats(tiny_llama, windows, progress=False)
     state = quantize(tiny_llama, RECIPES[recipe], stats, progress=False)
@@ -235,7 +235,7 @@ def _tiny(kind):
 def test_other_families_quantize_with_kv_and_calibration_methods(kind, windows):
     import copy
 
-    from lowbit.recipe import recipe_from_dict
+    from lowbit.quantization.recipe import recipe_from_dict
 
     model = _tiny(kind)
     ids = windows[:1]

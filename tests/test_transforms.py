@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowbit.models import decoder_layers
-from lowbit.transforms import balance, balance_groups, fold_norms, rotate_down_inputs, rotate_residual
+from lowbit.models.arch import decoder_layers
+from lowbit.quantization.transforms import balance, balance_groups, fold_norms, rotate_down_inputs, rotate_residual
 
 
 def _orthogonal(n, seed=0):
@@ -35,7 +35,7 @@ def test_balance_preserves_outputs(tiny_model, windows):
     for i in range(len(decoder_layers(tiny_model))):
         for prev, _, nexts, _ in balance_groups(tiny_model, i):
             s = torch.rand(prev.weight.shape[0], generator=g) * 4 + 0.25
-            from lowbit.models import arch_of
+            from lowbit.models.arch import arch_of
 
             off = arch_of(tiny_model).norm_offset if not isinstance(prev, torch.nn.Linear) else 0.0
             balance(prev, nexts, s, norm_offset=off)

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from lowbit import formats as F
-from lowbit.algorithms.awq import awq_clip, awq_scales
-from lowbit.granularity import block, group
-from lowbit.qtensor import compute_qparams, fake_quantize
-from lowbit.scheme import PRESETS, Scheme
+from lowbit.numerics import formats as F
+from lowbit.quantization.algorithms.awq import awq_clip, awq_scales
+from lowbit.numerics.granularity import block, group
+from lowbit.numerics.qtensor import compute_qparams, fake_quantize
+from lowbit.numerics.scheme import PRESETS, Scheme
 
 G32 = Scheme(F.INT4, group(32))
 G32_ASYM = Scheme(F.UINT4, group(32), symmetric=False)

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from lowbit import formats as F
-from lowbit.algorithms.gptq import gptq
-from lowbit.granularity import block, group
-from lowbit.qtensor import compute_qparams, dequantize, fake_quantize, quantize
-from lowbit.scheme import PRESETS, Scheme
+from lowbit.numerics import formats as F
+from lowbit.quantization.algorithms.gptq import gptq
+from lowbit.numerics.granularity import block, group
+from lowbit.numerics.qtensor import compute_qparams, dequantize, fake_quantize, quantize
+from lowbit.numerics.scheme import PRESETS, Scheme
 
 SCHEMES = {
     "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16"),
@@ -111,7 +111,7 @@ def _naive_gptq(w, h, scheme, damp):
 
 
 def _qp_slice(qp, q, scheme, cols):
-    from lowbit.qtensor import QParams
+    from lowbit.numerics.qtensor import QParams
 
     _, gc = scheme.granularity.block_shape(qp.scale.shape[0], cols)
     j = q // min(gc, cols)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from lowbit.algorithms.outliers import fake_quantize_with_outliers, outlier_channels
-from lowbit.qtensor import fake_quantize
-from lowbit.scheme import PRESETS
+from lowbit.quantization.algorithms.outliers import fake_quantize_with_outliers, outlier_channels
+from lowbit.numerics.qtensor import fake_quantize
+from lowbit.numerics.scheme import PRESETS
 
 
 def test_outlier_channels_by_threshold_and_top_k():

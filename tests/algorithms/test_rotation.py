@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from lowbit.algorithms.rotation import hadamard, random_hadamard, rotate_weight_in, rotate_weight_out
-from lowbit.qtensor import fake_quantize
-from lowbit.scheme import PRESETS
+from lowbit.quantization.algorithms.rotation import hadamard, random_hadamard, rotate_weight_in, rotate_weight_out
+from lowbit.numerics.qtensor import fake_quantize
+from lowbit.numerics.scheme import PRESETS
 
 
 def _orthonormal_error(q):

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from lowbit import formats as F
-from lowbit.algorithms.gptq import gptq
-from lowbit.algorithms.rtn import clip_ratios, mse_qparams
-from lowbit.granularity import blocked, block, group
-from lowbit.qtensor import QParams, compute_qparams, dequantize, fake_quantize
-from lowbit.scheme import PRESETS, Scheme
+from lowbit.numerics import formats as F
+from lowbit.quantization.algorithms.gptq import gptq
+from lowbit.quantization.algorithms.rtn import clip_ratios, mse_qparams
+from lowbit.numerics.granularity import blocked, block, group
+from lowbit.numerics.qtensor import QParams, compute_qparams, dequantize, fake_quantize
+from lowbit.numerics.scheme import PRESETS, Scheme
 
 SCHEMES = {
     "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16"),

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from lowbit.algorithms.smoothquant import smooth, smoothquant_scales
-from lowbit.qtensor import fake_quantize
-from lowbit.scheme import PRESETS
+from lowbit.quantization.algorithms.smoothquant import smooth, smoothquant_scales
+from lowbit.numerics.qtensor import fake_quantize
+from lowbit.numerics.scheme import PRESETS
 
 
 def test_reference_worked_example():

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import yaml
 
-from lowbit.scheme import bits_per_element, get_scheme
+from lowbit.numerics.scheme import bits_per_element, get_scheme
 from lowbit.sim.capacity import scenario_for
-from lowbit.sim.commands import register
+from lowbit.cli.sim import register
 from lowbit.sim.hardware import parse_hardware
 from lowbit.sim.memory import memory_report, weight_bytes
 from lowbit.sim.metrics import SLO
@@ -51,7 +51,7 @@ def test_moe_counts_all_experts_in_memory_but_reads_top_k():
 
 def _yaml():
     from importlib import resources
-    return resources.files("lowbit").joinpath("data/gpus.yaml")
+    return resources.files("lowbit").joinpath("sim/gpus.yaml")
 
 
 def test_gpu_table_has_sources_and_is_strict(hw):

@@ -1,6 +1,6 @@
 """Capacity planning: memory and speed bounds, and a vLLM V1 serving simulator.
 
-    from lowbit.sim import capacity_table, memory_report, ...
+    from . import capacity_table, memory_report, ...
 """
 
 from .engine import EngineConfig, simulate

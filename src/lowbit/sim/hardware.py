@@ -1,6 +1,6 @@
 """GPUs as data: peaks per math lane, memory, bandwidth and achieved efficiencies.
 
-The table lives in ``lowbit/data/gpus.yaml``; every number there names its source.  This
+The table lives in ``lowbit/sim/gpus.yaml``; every number there names its source.  This
 module only reads and validates it: unknown keys are errors that name the key path.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ..validate import check_keys
+from ..util.validate import check_keys
 
 __all__ = ["LANES", "GPU", "Kernels", "HardwareTable", "load_hardware", "get_gpu"]
 
@@ -180,7 +180,7 @@ def parse_hardware(doc: dict) -> HardwareTable:
 @lru_cache(maxsize=4)
 def _load(path: str | None) -> HardwareTable:
     if path is None:
-        text = resources.files("lowbit").joinpath("data/gpus.yaml").read_text()
+        text = resources.files("lowbit.sim").joinpath("gpus.yaml").read_text()
     else:
         text = Path(path).read_text()
     return parse_hardware(yaml.safe_load(text))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
-from ..scheme import PRESETS, bits_per_element, get_scheme
+from ..numerics.scheme import PRESETS, bits_per_element, get_scheme
 from .hardware import GPU, LANES
 from .shapes import Linear
 

@@ -1,0 +1,237 @@
+"""Perplexity, KL divergence and top-1 agreement against a reference, with confidence
+intervals.
+
+Evaluation streams window by window and never holds all logits.  The reference model's
+predictions are computed once per (model, windows) as a :class:`Reference` — for each
+predicted position its argmax, its NLL of the true token, and the log-probabilities of
+its ``k`` most likely tokens — and reused for every configuration.
+
+KL(P_ref ‖ P_quant) is computed over the reference's top-``k`` tokens plus one bucket
+for the rest of the vocabulary:  Σ_top p·(log p − log q) + p_rest·(log p_rest − log q_rest).
+That is the KL divergence of the two distributions coarsened to k + 1 outcomes, a lower
+bound of the full KL that is exact when ``k`` is the vocabulary size, and equal to zero
+when the two models agree.  A rest mass below 1e-5 is treated as zero: it is then the
+rounding noise of the stored fp32 log-probabilities.
+
+Confidence intervals are 95% percentile intervals of a bootstrap over windows (tokens
+within a window are correlated, windows much less so); Δ% is bootstrapped paired, with
+the same resampled windows for the model and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..util.parallel import map_shards
+from ..quantization.runtime import Forward
+
+__all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "summarize_reference", "window_metrics"]
+
+DEFAULT_TOPK = 1024
+_REST_FLOOR = 1e-5
+
+
+@dataclass
+class Reference:
+    """The reference model's predictions on ``(n, seq)`` windows (``seq − 1`` predicted
+    positions each)."""
+
+    argmax: torch.Tensor  # (n, seq-1) int64
+    nll: torch.Tensor  # (n, seq-1) float32, NLL of the true next token
+    topk_ids: torch.Tensor  # (n, seq-1, k) int32, most likely first
+    topk_logprobs: torch.Tensor  # (n, seq-1, k) float32
+
+    @property
+    def k(self) -> int:
+        return self.topk_ids.shape[-1]
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in asdict(self).items()}, str(tmp))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Reference":
+        return cls(**load_file(str(path)))
+
+
+@dataclass(frozen=True)
+class Eval:
+    """One configuration's evaluation.  ``*_ci`` are 95% bootstrap intervals; KL and
+    top-1 fields are ``None`` without a reference."""
+
+    name: str
+    ppl: float
+    ppl_ci: tuple[float, float]
+    windows: int
+    tokens: int
+    seconds: float
+    delta_pct: float | None = None
+    delta_ci: tuple[float, float] | None = None
+    kl_mean: float | None = None
+    kl_ci: tuple[float, float] | None = None
+    kl_p99: float | None = None
+    top1: float | None = None
+    top1_ci: tuple[float, float] | None = None
+    kl_topk: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _logits(forward: Forward, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one window, ``(seq-1, V)`` (position t predicts token t+1), and their
+    log-normalizer ``(seq-1, 1)``.  Log-probabilities are ``logits − lse``; only the few
+    that are needed are formed (a full ``log_softmax`` would write another V-wide copy)."""
+    logits = forward(ids)[0, :-1].float()
+    return logits, torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+@torch.inference_mode()
+def reference_predictions(
+    forward: Forward, windows: torch.Tensor, k: int = DEFAULT_TOPK, *, progress: bool = True,
+    workers: int | None = None,
+) -> Reference:
+    """Run the reference over ``windows`` and keep what evaluation needs (``workers``: see
+    :func:`lowbit.parallel.map_shards`)."""
+
+    def shard(idx, tick):
+        argmax, nll, ids_, lps = [], [], [], []
+        for i in idx:
+            ids = windows[i : i + 1]
+            logits, lse = _logits(forward, ids)
+            top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+            argmax.append(logits.argmax(-1))
+            nll.append((lse - logits.gather(-1, ids[0, 1:, None])).squeeze(-1))
+            ids_.append(top.indices.to(torch.int32))
+            lps.append(top.values - lse)
+            tick()
+        return argmax, nll, ids_, lps
+
+    parts = map_shards(shard, len(windows), workers=workers, description="reference", progress=progress)
+    return Reference(*(torch.stack([t for p in parts for t in p[j]]) for j in range(4)))
+
+
+def window_metrics(logits: torch.Tensor, targets: torch.Tensor, ref: Reference | None, w: int,
+                   lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-token NLL, and against reference window ``w``: KL and top-1 agreement.
+
+    ``logits``: (positions, V) of the evaluated model (log-probabilities work too);
+    ``lse``: their ``logsumexp`` over V, ``(positions, 1)``, computed if not given.
+    """
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    out = {"nll": (lse - logits.gather(-1, targets[:, None])).squeeze(-1)}
+    if ref is not None:
+        rid = ref.topk_ids[w].long()
+        lp_ref = ref.topk_logprobs[w].double()
+        lq = (logits.gather(-1, rid) - lse).double()
+        p = lp_ref.exp()
+        kl = (p * (lp_ref - lq)).sum(-1)
+        # the rest of the vocabulary as one outcome; below _REST_FLOOR its mass is fp32
+        # rounding noise of the stored log-probabilities (e.g. when k is the vocabulary)
+        p_rest = 1 - p.sum(-1)
+        q_rest = (1 - lq.exp().sum(-1)).clamp(min=1e-300)
+        real = p_rest > _REST_FLOOR
+        rest = torch.where(real, p_rest.clamp(min=1e-300) * (p_rest.clamp(min=1e-300).log() - q_rest.log()), 0.0)
+        out["kl"] = (kl + rest).clamp(min=0).float()
+        out["agree"] = (logits.argmax(-1) == ref.argmax[w]).float()
+    return out
+
+
+def _ci(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.percentile(samples, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@torch.inference_mode()
+def evaluate(
+    forward: Forward,
+    windows: torch.Tensor,
+    reference: Reference | None = None,
+    *,
+    name: str = "",
+    bootstrap: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+    workers: int | None = None,
+) -> Eval:
+    """Evaluate ``forward`` on ``windows`` ``(n, seq)``, against ``reference`` if given.
+
+    Args:
+        forward: ``forward(ids (1, seq)) -> logits (1, seq, V)``.
+        windows: token windows; each predicts its last ``seq − 1`` tokens.
+        reference: the reference model's predictions on the same windows.
+        name: label for the result.
+        bootstrap: number of bootstrap resamples over windows.
+        seed: seed of the bootstrap.
+        progress: show a progress bar.
+        workers: processes that share the windows (default
+            :func:`lowbit.parallel.default_workers`; 1 runs here).
+    """
+    n = len(windows)
+    if reference is not None and reference.nll.shape[0] != n:
+        raise ValueError(f"reference covers {reference.nll.shape[0]} windows, evaluation has {n}")
+    t0 = time.perf_counter()
+
+    def shard(idx, tick):
+        rows = []  # per window: NLL sum, tokens, KL sum, agreements, per-token KL
+        for i in idx:
+            ids = windows[i : i + 1]
+            logits, lse = _logits(forward, ids)
+            m = window_metrics(logits, ids[0, 1:], reference, i, lse)
+            kl = m.get("kl")
+            rows.append((float(m["nll"].double().sum()), m["nll"].numel(),
+                         float(kl.double().sum()) if kl is not None else 0.0,
+                         float(m["agree"].sum()) if kl is not None else 0.0, kl))
+            tick()
+        return rows
+
+    rows = [r for part in map_shards(shard, n, workers=workers, description=f"evaluating {name}".strip(),
+                                     progress=progress) for r in part]
+    nll_w, count, kl_w, agree_w = (np.array([r[j] for r in rows], dtype=np.float64) for j in range(4))
+    kl_all = [r[4] for r in rows if r[4] is not None]
+    seconds = time.perf_counter() - t0
+    kl = torch.cat(kl_all) if kl_all else None
+    return _summarize(name, nll_w, count, seconds, bootstrap, seed, reference, kl_w, agree_w, kl)
+
+
+def summarize_reference(reference: Reference, *, name: str = "reference", bootstrap: int = 1000, seed: int = 0) -> Eval:
+    """The reference model's own perplexity (with its interval) from its stored NLLs."""
+    nll_w = reference.nll.double().sum(-1).numpy()
+    count = np.full(len(nll_w), reference.nll.shape[1], dtype=float)
+    return _summarize(name, nll_w, count, 0.0, bootstrap, seed)
+
+
+def _summarize(name, nll_w, count, seconds, bootstrap, seed, reference=None, kl_w=None, agree_w=None, kl=None) -> Eval:
+    n = len(nll_w)
+    tokens = int(count.sum())
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(bootstrap, n))
+    cnt_b = count[idx].sum(1)
+    ppl = math.exp(nll_w.sum() / tokens)
+    res = dict(name=name, ppl=ppl, ppl_ci=_ci(np.exp(nll_w[idx].sum(1) / cnt_b)), windows=n, tokens=tokens, seconds=seconds)
+    if reference is not None:
+        ref_w = reference.nll.double().sum(-1).numpy()
+        ref_ppl = math.exp(ref_w.sum() / tokens)
+        ratio_b = np.exp((nll_w[idx].sum(1) - ref_w[idx].sum(1)) / cnt_b)
+        res.update(
+            delta_pct=100 * (ppl / ref_ppl - 1),
+            delta_ci=tuple(100 * (v - 1) for v in _ci(ratio_b)),
+            kl_mean=float(kl_w.sum() / tokens),
+            kl_ci=_ci(kl_w[idx].sum(1) / cnt_b),
+            kl_p99=float(torch.quantile(kl.double(), 0.99)),
+            top1=float(agree_w.sum() / tokens),
+            top1_ci=_ci(agree_w[idx].sum(1) / cnt_b),
+            kl_topk=reference.k,
+        )
+    return Eval(**res)

@@ -1,0 +1,130 @@
+"""Calibration statistics: what static scales are computed from.
+
+One pass over the calibration windows records, with hooks that are always removed:
+the absmax of every input channel of every Linear, and the absmax per KV head of the
+keys (after RoPE) and values written to the cache.  Statistics are saved with
+safetensors so that a model and data pair is calibrated once.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .kv import KVObserver, cache_kwarg, make_cache
+from ..util.parallel import map_shards
+
+__all__ = ["CalibStats", "collect_stats", "record_input_absmax"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibStats:
+    """Per-Linear input channel absmax ``(in_features,)``, per-layer K and V absmax
+    ``(kv_heads,)``, and how many tokens they were taken from."""
+
+    input_absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    k_absmax: dict[int, torch.Tensor] = field(default_factory=dict)
+    v_absmax: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: int = 0
+
+    def save(self, path: Path) -> None:
+        t = {f"in/{k}": v.contiguous() for k, v in self.input_absmax.items()}
+        t |= {f"k/{i}": v.contiguous() for i, v in self.k_absmax.items()}
+        t |= {f"v/{i}": v.contiguous() for i, v in self.v_absmax.items()}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(t, str(tmp), metadata={"tokens": str(self.tokens)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "CalibStats":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            tokens = int(f.metadata().get("tokens", 0))
+        t = load_file(str(path))
+        s = cls(tokens=tokens)
+        for k, v in t.items():
+            kind, _, name = k.partition("/")
+            if kind == "in":
+                s.input_absmax[name] = v
+            elif kind == "k":
+                s.k_absmax[int(name)] = v
+            elif kind == "v":
+                s.v_absmax[int(name)] = v
+        return s
+
+
+@contextmanager
+def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While the block runs, keep the running absmax of each input channel of the named
+    Linears in ``into``."""
+    modules = dict(model.named_modules())
+    handles = []
+    last: list = [None, None]  # (input, its channel absmax): q/k/v and gate/up read one tensor
+
+    def hook_for(name: str):
+        def hook(module, args):
+            x = args[0]
+            if last[0] is not x:
+                x2 = x.detach().reshape(-1, x.shape[-1])
+                last[0], last[1] = x, torch.maximum(x2.amax(0), -x2.amin(0)).float()  # (aminmax is ~10× slower)
+            a = last[1]
+            into[name] = torch.maximum(into[name], a) if name in into else a
+
+        return hook
+
+    try:
+        for n in names:
+            handles.append(modules[n].register_forward_pre_hook(hook_for(n)))
+        yield
+    finally:
+        last.clear()
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True,
+                  workers: int | None = None) -> CalibStats:
+    """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
+    (every Linear but ``lm_head``, whose input a static scheme then cannot use).
+    ``workers``: processes that share the windows (:func:`lowbit.parallel.map_shards`);
+    their maxima are merged."""
+    # the decoder alone: statistics need no logits, and lm_head (never quantized by
+    # default) is a fifth of a small model's work
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    kw = cache_kwarg(body)
+
+    def shard(idx, tick) -> CalibStats:
+        stats = CalibStats()
+        obs = KVObserver()
+        with record_input_absmax(model, names, stats.input_absmax):
+            for i in idx:
+                ids = windows[i : i + 1]
+                body(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
+                stats.tokens += ids.numel()
+                tick()
+        stats.k_absmax, stats.v_absmax = obs.k_absmax, obs.v_absmax
+        return stats
+
+    parts = map_shards(shard, len(windows), workers=workers, description="calibrating", progress=progress)
+    stats = CalibStats(tokens=sum(p.tokens for p in parts))
+    for p in parts:
+        for mine, theirs in ((stats.input_absmax, p.input_absmax), (stats.k_absmax, p.k_absmax),
+                             (stats.v_absmax, p.v_absmax)):
+            for key, v in theirs.items():
+                mine[key] = torch.maximum(mine[key], v) if key in mine else v
+    log.info("calibrated on %d tokens", stats.tokens)
+    return stats

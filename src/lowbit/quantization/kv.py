@@ -1,0 +1,119 @@
+"""KV-cache quantization where keys and values are written to the cache.
+
+Keys arrive after RoPE (and after QK-norm where the architecture has it), shaped
+``(batch, kv_heads, seq, head_dim)``.  They are fake-quantized on the way into the cache,
+so attention reads what a quantized cache would hold — the current token's K and V
+included, as a paged FP8 cache in vLLM does.  Works with transformers' ``DynamicCache``
+built from the model config, so Gemma-3's sliding-window layers keep their own layout.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from ..numerics.granularity import TOKEN
+from ..numerics.qtensor import QParams, fake_quantize
+from .recipe import KVConfig
+from ..numerics.scheme import Scheme
+
+__all__ = ["KVPlan", "kv_plan", "make_cache", "cache_kwarg", "quantize_kv", "KVObserver"]
+
+OnWrite = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def quantize_kv(t: torch.Tensor, scheme: Scheme, static_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize one layer's keys or values ``(batch, heads, seq, dim)``.
+
+    ``static_amax``: calibrated absmax, a scalar (``tensor``) or one per head (``head``);
+    ``None`` computes scales from ``t``.  ``channel`` granularity scales each (head,
+    channel) over the tokens of ``t``; ``token`` scales each (head, token) over channels.
+    """
+    kind = scheme.granularity.kind
+    if kind == "channel":
+        tt = t.transpose(-1, -2)  # (b, h, dim, seq): one row per channel
+        return fake_quantize(tt, replace(scheme, granularity=TOKEN)).transpose(-1, -2)
+    if static_amax is None:
+        return fake_quantize(t, scheme)
+    amax = static_amax.to(torch.float32).reshape(-1, 1)  # (1, 1) or (heads, 1)
+    scale, zero = scheme.scales_from_range(-amax, amax)
+    return fake_quantize(t, scheme, QParams(scale, zero))
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """What to do at each layer's cache write: the schemes, and calibrated absmax per
+    layer (scalar or per head) for static schemes."""
+
+    config: KVConfig
+    k_amax: dict[int, torch.Tensor]
+    v_amax: dict[int, torch.Tensor]
+
+    def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        if c.keys:
+            k = quantize_kv(k, c.scheme, None if c.scheme.dynamic else self.k_amax[layer])
+        if c.values:
+            v = quantize_kv(v, c.v_scheme, None if c.v_scheme.dynamic else self.v_amax[layer])
+        return k, v
+
+
+def kv_plan(config: KVConfig, k_absmax: dict[int, torch.Tensor], v_absmax: dict[int, torch.Tensor]) -> KVPlan:
+    """A plan from per-layer, per-head calibrated absmax (see :class:`KVObserver`)."""
+
+    def reduce(amax: dict[int, torch.Tensor], scheme: Scheme, needed: bool) -> dict[int, torch.Tensor]:
+        if not needed or scheme.dynamic:
+            return {}
+        if not amax:
+            raise ValueError("static KV scales need calibration statistics (K/V absmax per layer)")
+        if scheme.granularity.kind == "tensor":
+            return {i: a.max().reshape(1) for i, a in amax.items()}
+        return dict(amax)  # per head
+
+    return KVPlan(config, reduce(k_absmax, config.scheme, config.keys), reduce(v_absmax, config.v_scheme, config.values))
+
+
+class KVObserver:
+    """Records per-layer, per-head absmax of keys and values at the cache write."""
+
+    def __init__(self) -> None:
+        self.k_absmax: dict[int, torch.Tensor] = {}
+        self.v_absmax: dict[int, torch.Tensor] = {}
+
+    def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for store, t in ((self.k_absmax, k), (self.v_absmax, v)):
+            a = t.detach().abs().amax(dim=(0, 2, 3)).float()
+            store[layer] = torch.maximum(store[layer], a) if layer in store else a
+        return k, v
+
+
+def make_cache(config, on_write: OnWrite, *, store: bool = True):
+    """A transformers ``DynamicCache`` (laid out from ``config``: sliding-window layers
+    included) that passes every write through ``on_write(layer, k, v)``.
+
+    With ``store=False`` nothing is kept: each write returns what ``on_write`` gave, as
+    the forward without a cache would use it — for one-shot passes that only observe
+    keys and values, which would otherwise hold every chunk's K and V until it ends."""
+    from transformers import DynamicCache
+
+    class _WriteHookCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            key_states, value_states = on_write(layer_idx, key_states, value_states)
+            if not store:
+                return key_states, value_states
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    try:
+        return _WriteHookCache(config=config)
+    except TypeError:  # transformers releases whose DynamicCache takes no config
+        return _WriteHookCache()
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model.forward`` takes a cache (``cache`` from transformers
+    5.x, ``past_key_values`` before)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

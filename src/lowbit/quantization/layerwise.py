@@ -1,0 +1,285 @@
+"""The layer-by-layer loop behind GPTQ, AWQ, SmoothQuant, rotations and outlier channels.
+
+1. Rotations, if asked (function-preserving): the part outside the decoder layers first,
+   each layer's own part when the loop reaches that layer.
+2. The inputs of the first decoder layer are captured for every calibration window.
+3. For each decoder layer in turn:
+   a. SmoothQuant / AWQ only: run the layer as it is on its inputs, recording each
+      Linear input's absmax (and AWQ's token sample), and balance scales into the layer
+      (function-preserving);
+   b. one pass of the layer over all its inputs, in lockstep (:mod:`lowbit.lockstep`):
+      at the first Linear of each group that reads one input, every chunk adds that
+      input to the group's statistics — channel absmax, mean x², the Hessian ``XᵀX``
+      (GPTQ), a token sample (AWQ clipping) — then the group's weights are quantized
+      (GPTQ, AWQ clipping, MSE observer or min-max) and its input quantization fixed,
+      and every chunk goes on through the quantized group.  Each Linear thus sees the
+      inputs the quantized Linears before it produce (GPTQ's "true sequential"), K/V
+      absmax are recorded at the cache write, and the pass's outputs — the quantized
+      layer's, activation quantization included — are the next layer's inputs.
+Only one layer's inputs, activations and statistics are alive at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import algorithms as A
+from ..util import heap
+from .calibrate import CalibStats
+from .inputstats import InputStats
+from .layerpass import LayerPass
+from ..models.arch import arch_of, decoder_layers
+from ..models.offload import LayerStore, is_lazy
+from .pipeline import kv_plan_from, sibling_groups
+from ..util.progress import staged_progress
+from .recipe import Recipe
+from .runtime import ActQuant, QuantState, quantized_activations
+from .transforms import (balance, balance_groups, residual_rotation_supported, rotate_down_input, rotate_residual_ends,
+                         rotate_residual_layer)
+
+__all__ = ["quantize_layerwise"]
+
+log = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass early."""
+
+
+def _stop(module, args):
+    raise _Stop
+
+
+@torch.no_grad()
+def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple[list[torch.Tensor], list[dict]]:
+    """The first decoder layer's input for each batch of windows, and the keyword
+    arguments every decoder layer is called with (recorded once, on one window; they
+    depend on positions only and broadcast over the batch).
+
+    No decoder layer runs: for the arguments each layer's forward is replaced, for one
+    call, by a stub that records them (so the layers may still be on the meta device)."""
+    layers = decoder_layers(model)
+    kwargs: list[dict] = [{} for _ in layers]
+
+    def stub(i):
+        def forward(hidden_states, *args, **kw):
+            kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
+            if i == len(layers) - 1:
+                raise _Stop  # nothing after the last layer is needed
+            return hidden_states
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
+    try:
+        model(input_ids=windows[:1], use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for layer in layers:
+            del layer.forward
+    inputs: list[torch.Tensor] = []
+
+    def grab(mod, args, kw):
+        inputs.append((args[0] if args else kw["hidden_states"]).detach())
+        raise _Stop
+
+    h = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for b in range(0, len(windows), batch):
+            try:
+                model(input_ids=windows[b : b + batch], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        h.remove()
+    return inputs, kwargs
+
+
+def _groups_of_inputs(names: list[str], arch, prefix: str) -> dict[str, str]:
+    """Linear name → the name of the first Linear that reads the same input."""
+    leader = {n: n for n in names}
+    for b in arch.balances:
+        members = [f"{prefix}.{n}" for n in b.next]
+        for m in members:
+            if m in leader:
+                leader[m] = members[0]
+    return leader
+
+
+def _rotations(model: nn.Module, cfg: dict | None) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
+    """Apply the model-level part of the configured rotations now; return the online
+    rotations (module name → matrix) and the per-layer part, ``rotate(i)``, which the
+    pipeline applies to each decoder layer when it reaches it (each layer's rotation is
+    independent of the others', so this equals rotating the whole model first)."""
+    if cfg is None:
+        return {}, lambda i: None
+    seed = int(cfg.get("seed", 0))
+    cfgd = model.config
+    arch = arch_of(model)
+    Q = H = None
+    if cfg.get("residual", True):
+        why = residual_rotation_supported(model)
+        if why:
+            log.warning("residual rotation skipped: %s", why)
+        else:
+            Q = A.random_hadamard(cfgd.hidden_size, seed)
+            rotate_residual_ends(model, Q)
+    online = {}
+    if cfg.get("down", True):
+        H = A.random_hadamard(cfgd.intermediate_size, seed + 1)
+        online = {f"{arch.layers}.{i}.{arch.down}": H for i in range(len(decoder_layers(model)))}
+
+    def rotate(i: int) -> None:
+        if Q is not None:
+            rotate_residual_layer(model, i, Q)
+        if H is not None:
+            rotate_down_input(model, i, H)
+
+    return online, rotate
+
+
+@torch.no_grad()
+def quantize_layerwise(
+    model: nn.Module,
+    recipe: Recipe,
+    calibration: torch.Tensor,
+    *,
+    keep_qtensors: bool = False,
+    progress: bool = True,
+    store: LayerStore | None = None,
+    on_layer: Callable[[int, QuantState], None] | None = None,
+):
+    """Quantize ``model`` in place with the calibration methods of ``recipe``.
+
+    Args:
+        model: a transformers causal LM of a known architecture.
+        recipe: schemes and ``recipe.algorithms``.
+        calibration: ``(n, seq)`` token windows.
+        keep_qtensors: keep the QTensor of each quantized weight (GPTQ, min-max, MSE or
+            AWQ-clipped weights; outlier-channel weights have none).
+        progress: show a progress bar over layers.
+        store: for a model loaded with :func:`lowbit.offload.load_lazy`: each decoder
+            layer is loaded from it when the pipeline reaches the layer and released
+            (written back to disk, freed) when the layer is done, so that one decoder
+            layer is in memory at a time.  The model is left with its layers released:
+            ``store.materialize()`` brings them back.
+        on_layer: ``on_layer(i, state)`` when decoder layer ``i`` is done, before it is
+            released (see :func:`lowbit.pipeline.quantize`).
+
+    Returns:
+        A :class:`~lowbit.runtime.QuantState`.
+    """
+    algo = recipe.algorithms
+    arch = arch_of(model)
+    if store is None and is_lazy(model):
+        raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")
+    modules = dict(model.named_modules())
+    names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+    plan = recipe.resolve(names)
+    online, rotate = _rotations(model, algo.rotation)
+    modules = dict(model.named_modules())
+    inputs, layer_kwargs = capture_inputs(model, calibration, algo.batch)
+    if store is not None:
+        store.release_outside()  # the embeddings and lm_head are not needed until the end
+    layers = decoder_layers(model)
+    state = QuantState(recipe)
+    stats = CalibStats()
+    awq_cfg = algo.awq
+    need_h = algo.gptq is not None
+    sample_every = 0
+    if awq_cfg is not None:
+        tokens = int(awq_cfg.get("tokens", 4096))
+        total = sum(x.shape[0] * x.shape[1] for x in inputs)
+        sample_every = max(1, total // tokens)
+    siblings = sibling_groups(model)
+    times = {"balancing": 0.0, "pass": 0.0, "weights": 0.0}
+
+    ctx = LayerPass(model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every,
+                    kv=recipe.kv_cache is not None, keep_qtensors=keep_qtensors, times=times)
+    method = "GPTQ" if algo.gptq is not None else ("AWQ clipping" if awq_cfg is not None and awq_cfg.get("clip", True)
+                                                    else ("MSE scales" if algo.observer == "mse" else "rounding"))
+    with heap.map_large_allocations():  # see lowbit.heap
+        for i, stage in staged_progress(range(len(layers)), f"quantizing {recipe.name} layer by layer",
+                                        enabled=progress):
+            ctx.stage = lambda g, stage=stage: stage(f"{method} {g.rsplit('.', 2)[-2]}.{g.rsplit('.', 1)[-1]}")
+            prefix = f"{arch.layers}.{i}"
+            lnames = [n for n in names if n.startswith(prefix + ".")]
+            leader = _groups_of_inputs(lnames, arch, prefix)
+            if store is not None:
+                store.load(i)
+            rotate(i)
+            if algo.smoothquant is not None or awq_cfg is not None:
+                stage("SmoothQuant scales" if algo.smoothquant is not None else "AWQ scales")
+                t_b = time.perf_counter()
+                _balance_layer(model, i, arch, layers[i], inputs, layer_kwargs[i], modules, plan, leader, online,
+                               algo, sample_every, prefix)
+                times["balancing"] += time.perf_counter() - t_b
+            stage("statistics")
+            t_p, w0 = time.perf_counter(), times["weights"]
+            inputs = ctx.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
+            times["pass"] += time.perf_counter() - t_p - (times["weights"] - w0)
+            if on_layer is not None:
+                state.kv = kv_plan_from(recipe, stats)  # this layer's K/V scales are known now
+                on_layer(i, state)
+            if store is not None:
+                store.release(i)
+
+    stats.tokens = int(calibration.numel())
+    for n, H in online.items():  # rotated inputs that are not quantized still need the online rotation
+        state.activations.setdefault(n, ActQuant(None, rotation=H))
+    state.kv = kv_plan_from(recipe, stats)
+    state.calibration = stats
+    log.info("layer by layer (%s): %s", recipe.name, ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+    return state
+
+
+def _balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, online, algo, sample_every,
+                   prefix) -> None:
+    """SmoothQuant or AWQ for decoder layer ``i``: record its inputs' absmax (and AWQ's token
+    sample) with the layer as it is, up to down_proj's input, then move each balancing
+    group's scales into the layer (function-preserving).  The statistics are discarded:
+    the layer's pass that follows records them again on the balanced layer."""
+    istats = {n: InputStats() for n in set(leader.values())}
+    rot_only = {n: ActQuant(None, rotation=online[n]) for n in leader if n in online}
+
+    def hook_for(n):
+        def hook(mod, args):
+            istats[n].add(args[0], absmax=algo.smoothquant is not None,
+                          sample_every=sample_every if algo.awq is not None else 0)
+        return hook
+
+    with quantized_activations(model, rot_only):
+        handles = [modules[n].register_forward_pre_hook(hook_for(n)) for n in istats]
+        # down_proj is the last Linear to run: once its input is recorded, the rest of the
+        # layer's work would be thrown away
+        handles.append(modules[f"{prefix}.{arch.down}"].register_forward_pre_hook(_stop))
+        try:
+            for h in inputs:
+                try:
+                    layer(h, **kwargs)
+                except _Stop:
+                    pass
+        finally:
+            for hd in handles:
+                hd.remove()
+    for prev, prev_name, nexts, next_names in balance_groups(model, i, arch):
+        quantized = [n for n in next_names if n in plan and plan[n][0] is not None]
+        if not quantized:
+            continue
+        st = istats[leader[next_names[0]]]
+        ws = [m.weight.detach().float() for m in nexts]
+        if algo.smoothquant is not None:
+            if not any(plan.get(n, (None, None))[1] is not None for n in next_names):
+                continue  # SmoothQuant helps activation quantization only
+            s = A.smoothquant_scales(st.absmax, ws, float(algo.smoothquant.get("alpha", 0.5)))
+        else:
+            s, _ = A.awq_scales(st.x, ws, plan[quantized[0]][0], grid=int(algo.awq.get("grid", 20)),
+                                duo_scaling=bool(algo.awq.get("duo_scaling", False)))
+        off = arch.norm_offset if not isinstance(prev, nn.Linear) else 0.0
+        balance(prev, nexts, s, norm_offset=off)
