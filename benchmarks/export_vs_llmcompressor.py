@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the comparison here")
     args = ap.parse_args()
 
-    from lowbit.checkpoint.write import quantize_to_folder
+    from lowbit.workflows import quantize_to_folder
 
     work = args.work or Path(tempfile.mkdtemp(prefix="llmc-vs-lowbit-"))
     report, failed = {}, False

@@ -135,13 +135,13 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: s
         model, tok, info = load_model(model_name, lazy=True)
         t0 = time.perf_counter()
         with LayerStore(model, info.path) as store:
-            state = quantize(model, recipe, None, progress=False, calibration=calib, store=store)
+            state = quantize(model, recipe, progress=False, calibration=calib, store=store)
             store.materialize()  # the whole quantized model, for the evaluation that follows
     else:
         model, tok, info = load_model(model_name)
         t0 = time.perf_counter()
         stats = collect_stats(model, calib, progress=False) if recipe.needs_calibration else None
-        state = quantize(model, recipe, stats, progress=False)
+        state = quantize(model, recipe, stats=stats, progress=False)
     seconds = time.perf_counter() - t0
     peak = peak_rss_mib()
     wb = Workbench.load(model_name, corpus="wiki", windows=int(windows), calib_windows=0, seed=0, progress=False,
@@ -213,7 +213,7 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
         for f in sorted(folder.glob("*.safetensors")):
             tensors.update(load_file(f))
         stats = wb.stats if rt.needs_calibration else None
-        state = quantize(model, rt, stats, progress=False)
+        state = quantize(model, rt, stats=stats, progress=False)
         # NVFP4 inputs: compressed-tensors stores input_global_scale = fp4.max·fp8.max / amax;
         # lowbit's global scale is its reciprocal (amax / (fp4.max·fp8.max)).
         used = 0

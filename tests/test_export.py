@@ -52,7 +52,7 @@ def _windows(n=3, seq=16, seed=0):
 def _quantized(recipe):
     model = _wide_llama()
     stats = collect_stats(model, _windows(4, seed=1), progress=False) if recipe.needs_calibration else None
-    return model, quantize(model, recipe, stats, keep_qtensors=True, progress=False)
+    return model, quantize(model, recipe, stats=stats, keep_qtensors=True, progress=False)
 
 
 def _recipe(name):
@@ -288,7 +288,7 @@ def test_serve_command_and_cli(tmp_path, capsys):
 
 
 def test_quantize_to_folder_refuses_before_loading(tmp_path):
-    from lowbit.checkpoint.write import quantize_to_folder
+    from lowbit.workflows import quantize_to_folder
 
     (tmp_path / "exists").mkdir()
     with pytest.raises(FileExistsError):

@@ -34,7 +34,7 @@ def _calib():
 def _in_memory(model, recipe):
     if recipe.needs_calibration or recipe.algorithms.layerwise:
         return quantize_layerwise(model, recipe, _calib(), keep_qtensors=True, progress=False)
-    return quantize(model, recipe, None, keep_qtensors=True, progress=False)
+    return quantize(model, recipe, keep_qtensors=True, progress=False)
 
 
 def _streamed(folder, recipe, out):
@@ -44,7 +44,7 @@ def _streamed(folder, recipe, out):
             state = quantize_layerwise(model, recipe, _calib(), keep_qtensors=True, progress=False, store=store,
                                        on_layer=ex.layer_done)
         else:
-            state = quantize(model, recipe, None, keep_qtensors=True, progress=False, store=store,
+            state = quantize(model, recipe, keep_qtensors=True, progress=False, store=store,
                              on_layer=ex.layer_done)
         assert store.peak_loaded == 1
         assert not any(n.startswith("model.layers.") for n in state.weights)  # dropped once written

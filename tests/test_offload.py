@@ -83,10 +83,10 @@ def test_lazy_quantization_equals_in_memory(tiny_llama, windows, calib, tmp_path
 
         stats = collect_stats(eager, calib, progress=False, workers=1)
     kw = {"calibration": calib} if r.algorithms.layerwise else {}
-    want = quantize(eager, r, stats, keep_qtensors=True, progress=False, **kw)
+    want = quantize(eager, r, stats=stats, keep_qtensors=True, progress=False, **kw)
     lazy = load_lazy(folder)
     with LayerStore(lazy, folder) as store:
-        got = quantize(lazy, r, stats, keep_qtensors=True, progress=False, store=store, **kw)
+        got = quantize(lazy, r, stats=stats, keep_qtensors=True, progress=False, store=store, **kw)
         assert store.peak_loaded == 1
         assert store.loaded == set()  # every layer released when done
         if r.algorithms.layerwise:  # the embeddings and lm_head too, after the first layer's inputs

@@ -69,7 +69,7 @@ def test_parallel_evaluation_matches_one_process(tiny_llama, windows):
     # a quantized model: its hooks (dynamic FP8 activations) and KV quantization run in the workers
     m = copy.deepcopy(tiny_llama)
     recipe = recipe_from_dict({"weights": "fp8-channel", "inputs": "fp8-token", "kv_cache": {"scheme": "fp8-tensor"}})
-    state = quantize(m, recipe, collect_stats(m, windows, progress=False, workers=1), progress=False)
+    state = quantize(m, recipe, stats=collect_stats(m, windows, progress=False, workers=1), progress=False)
     assert state.kv is not None and state.activations
     with quantized_execution(m, state) as qf:
         one = evaluate(qf, windows, ref1, progress=False, workers=1)

@@ -66,7 +66,7 @@ def test_siblings_quantize_their_shared_input_once(tiny_llama, windows, recipe, 
     from lowbit.quantization import runtime
 
     stats = collect_stats(tiny_llama, windows, progress=False)
-    state = quantize(tiny_llama, RECIPES[recipe], stats, progress=False)
+    state = quantize(tiny_llama, RECIPES[recipe], stats=stats, progress=False)
     calls = []
     call = runtime.ActQuant.__call__
     monkeypatch.setattr(runtime.ActQuant, "__call__", lambda self, x: calls.append(1) or call(self, x))
@@ -93,7 +93,7 @@ def test_static_inputs_need_calibration(tiny_llama, windows):
     with pytest.raises(ValueError, match="needs calibration"):
         quantize(tiny_llama, RECIPES["fp8-tensor"], progress=False)
     stats = collect_stats(tiny_llama, windows, progress=False)
-    state = quantize(tiny_llama, RECIPES["fp8-tensor"], stats, progress=False)
+    state = quantize(tiny_llama, RECIPES["fp8-tensor"], stats=stats, progress=False)
     aq = state.activations["model.layers.0.self_attn.q_proj"]
     amax = stats.input_absmax["model.layers.0.self_attn.q_proj"].max()
     assert aq.qparams.scale.item() == pytest.approx(amax.item() / 448)
@@ -124,7 +124,7 @@ def test_kv_quantized_at_cache_write_after_rope(tiny_model, windows):
     ids = windows[:1]
     raw = _capture_k(tiny_model, ids)
     stats = collect_stats(tiny_model, windows, progress=False)
-    state = quantize(tiny_model, RECIPES["kv-fp8"], stats, progress=False)
+    state = quantize(tiny_model, RECIPES["kv-fp8"], stats=stats, progress=False)
     got = _capture_k(tiny_model, ids, state.kv.on_write)
     for layer, (k_written, _, k_in) in got.items():
         ka = stats.k_absmax[layer].max()
@@ -147,7 +147,7 @@ def test_gemma3_sliding_layers_quantized_too(tiny_gemma3, windows):
     ids = windows[:1]  # 24 tokens, sliding window 8
     stats = collect_stats(tiny_gemma3, windows, progress=False)
     assert set(stats.k_absmax) == {0, 1, 2}  # two sliding layers and one full layer write
-    state = quantize(tiny_gemma3, RECIPES["kv-fp8-head"], stats, progress=False)
+    state = quantize(tiny_gemma3, RECIPES["kv-fp8-head"], stats=stats, progress=False)
     got = _capture_k(tiny_gemma3, ids, state.kv.on_write)
     for layer in (0, 1, 2):
         k = got[layer][0]
@@ -158,10 +158,10 @@ def test_gemma3_sliding_layers_quantized_too(tiny_gemma3, windows):
 def test_k_only_and_v_only(tiny_llama, windows):
     stats = collect_stats(tiny_llama, windows, progress=False)
     raw = _capture_k(tiny_llama, windows[:1])
-    k_only = quantize(tiny_llama, RECIPES["kv-fp8-k"], stats, progress=False)
+    k_only = quantize(tiny_llama, RECIPES["kv-fp8-k"], stats=stats, progress=False)
     got = _capture_k(tiny_llama, windows[:1], k_only.kv.on_write)
     assert not torch.equal(got[0][0], raw[0][0]) and torch.equal(got[0][1], raw[0][1])
-    v_only = quantize(tiny_llama, RECIPES["kv-fp8-v"], stats, progress=False)
+    v_only = quantize(tiny_llama, RECIPES["kv-fp8-v"], stats=stats, progress=False)
     got = _capture_k(tiny_llama, windows[:1], v_only.kv.on_write)
     assert torch.equal(got[0][0], raw[0][0]) and not torch.equal(got[0][1], raw[0][1])
 
@@ -207,7 +207,7 @@ def test_static_granular_input_refused(tiny_llama, windows):
     stats = collect_stats(tiny_llama, windows, progress=False)
     r = recipe_from_dict({"inputs": {"format": "int8", "granularity": "token"}})
     with pytest.raises(ValueError, match="static input scale needs tensor granularity"):
-        quantize(tiny_llama, r, stats, progress=False)
+        quantize(tiny_llama, r, stats=stats, progress=False)
 
 
 def test_cached_keys_carry_rope(tiny_llama):
@@ -243,7 +243,7 @@ def test_other_families_quantize_with_kv_and_calibration_methods(kind, windows):
     stats = collect_stats(model, windows, progress=False)
     m = copy.deepcopy(model)
     state = quantize(m, recipe_from_dict({"weights": "fp8-channel", "inputs": "fp8-token",
-                                          "kv_cache": {"scheme": "fp8-tensor"}}), stats, progress=False)
+                                          "kv_cache": {"scheme": "fp8-tensor"}}), stats=stats, progress=False)
     with quantized_execution(m, state) as fwd:
         got = fwd(ids)
     assert not torch.equal(got, want) and torch.allclose(got, want, atol=0.1)

@@ -26,14 +26,14 @@ from torch import nn
 from ..util.io import atomic_dir
 from ..models.arch import arch_of, decoder_layers
 from ..models.offload import LayerStore
-from ..quantization.pipeline import sibling_groups
+from ..quantization.targets import sibling_groups
 from ..quantization.recipe import Recipe
 from ..quantization.runtime import QuantState
 from .write import (DEFAULT_DTYPE, ExportResult, SizeReport, _card, _linear_shapes, _predicted_bytes, part_tensors,
                          quantization_config, write_metadata)
 from .compressed_tensors import check_recipe, check_shapes
 
-__all__ = ["LayerwiseExport", "quantize_streaming"]
+__all__ = ["LayerwiseExport"]
 
 log = logging.getLogger(__name__)
 
@@ -122,55 +122,3 @@ class LayerwiseExport:
         self._done = True
         log.info("wrote %s layer by layer (%s, %.2f MiB in %d shards)", self.out, qc["format"], file_bytes / 2**20, self._n)
         return ExportResult(self.out, state.recipe.name, tuple(g["format"] for g in qc["config_groups"].values()), sizes)
-
-
-def quantize_streaming(
-    model: str,
-    recipe: str,
-    out: Path,
-    *,
-    force: bool = False,
-    calib_windows: int = 128,
-    corpus: str = "wiki",
-    seed: int = 0,
-    seq_len: int = 512,
-    cache: Path | None = None,
-    dtype: torch.dtype = DEFAULT_DTYPE,
-    progress: bool = True,
-) -> ExportResult:
-    """``lowbit quantize --low-memory``: quantize ``model`` holding one decoder layer in
-    memory at a time and write the compressed-tensors folder ``out`` layer by layer.
-
-    The model is read lazily from its safetensors checkpoint (:mod:`lowbit.offload`).
-    Recipes with calibration — layer-by-layer methods, and static activation or KV scales —
-    run in the layer-by-layer pipeline (so static scales come from each layer's inputs as
-    the quantized layers before it produce them); plain rounding needs no data.  Nothing is
-    evaluated (that needs the whole model: ``lowbit eval OUT --reference MODEL``).
-    """
-    from ..data import windows as data
-    from ..models.loading import load_model
-    from ..quantization.pipeline import quantize
-    from ..quantization.recipe import load_recipe
-
-    r = load_recipe(recipe)
-    check_recipe(r)
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
-    m, tok, info = load_model(model, cache=cache, lazy=True)
-    calibrate = r.needs_calibration or r.algorithms.layerwise
-    calib = None
-    if calibrate:
-        bos = tok.bos_token_id if info.needs_bos else None
-        calib = data.calibration_windows(data.stream_for(tok, corpus, "train", cache=cache), calib_windows, seq_len,
-                                         seed, bos)
-    with LayerStore(m, info.path) as store, LayerwiseExport(out, m, r, dtype=dtype, force=force) as ex:
-        if calibrate:
-            from ..quantization.layerwise import quantize_layerwise
-
-            state = quantize_layerwise(m, r, calib, keep_qtensors=True, progress=progress, store=store,
-                                       on_layer=ex.layer_done)
-        else:
-            state = quantize(m, r, None, keep_qtensors=True, progress=progress, store=store, on_layer=ex.layer_done)
-        result = ex.finish(state, store=store, tokenizer=tok, source=info.path, model_name=info.name)
-    return result

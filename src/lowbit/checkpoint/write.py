@@ -3,7 +3,7 @@
 ``export(model, state, out)`` writes ``model.safetensors``, ``config.json`` with its
 ``quantization_config``, the generation config, the tokenizer and a model card, through a
 temporary folder renamed when complete.  The tensors come from
-:mod:`lowbit.export.compressed_tensors`; this module only lays out the folder.
+:mod:`lowbit.checkpoint.compressed_tensors`; this module only lays out the folder.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from torch import nn
 
 from .._version import __version__
 from ..util.io import atomic_dir
-from ..models.offload import checkpoint_files, read_tensors
+from ..models.loading import read_into
 from ..models.arch import arch_of
-from ..quantization.pipeline import sibling_groups
+from ..quantization.targets import sibling_groups
 from ..quantization.runtime import QuantState
 from ..numerics.scheme import Scheme, bits_per_element
 from .compressed_tensors import (check_recipe, check_shapes, ct_format, input_tensors, kv_args, scheme_args,
                                  weight_tensors)
 
-__all__ = ["SizeReport", "ExportResult", "quantization_config", "checkpoint_tensors", "export", "plan_of", "read_into",
-           "quantize_to_folder",
+__all__ = ["SizeReport", "ExportResult", "quantization_config", "checkpoint_tensors", "export", "plan_of",
            "DEFAULT_DTYPE"]
 
 log = logging.getLogger(__name__)
@@ -271,102 +270,3 @@ def export(
         (tmp / "README.md").write_text(_card(model_name, state.recipe.name, state.recipe.summary(), qc, sizes, ev))
     log.info("wrote %s (%s, %.2f MiB)", out, qc["format"], sizes.file_bytes / 2**20)
     return ExportResult(out, state.recipe.name, tuple(g["format"] for g in qc["config_groups"].values()), sizes, ev)
-
-
-# -- reading back, and the one-call quantize → write → evaluate ------------------------
-
-
-@torch.no_grad()
-def read_into(model: nn.Module, folder: Path) -> nn.Module:
-    """Load the checkpoint in ``folder`` into ``model`` (same architecture), every quantized
-    weight decompressed by compressed-tensors itself, every other tensor as stored.
-
-    Raises:
-        ImportError: compressed-tensors is not installed.
-    """
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    qc = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
-    parsed = QuantizationConfig.model_validate(qc)
-    groups = list(parsed.config_groups.values())
-    files = checkpoint_files(folder)
-    stored = read_tensors(files, list(files))
-    params = dict(model.named_parameters())
-    for name, mod in model.named_modules():
-        # a quantized Linear always stores a weight scale (its "weight", if any, holds codes)
-        if not isinstance(mod, nn.Linear) or f"{name}.weight_scale" not in stored or name in parsed.ignore:
-            continue
-        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
-        if not local:
-            continue
-        scheme = groups[0] if len(groups) == 1 else next(g for g in groups if name in g.targets)
-        stored[f"{name}.weight"] = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"]
-    for name, p in params.items():
-        if name in stored:
-            p.copy_(stored[name].to(p.dtype))
-    return model
-
-
-def quantize_to_folder(
-    model: str,
-    recipe: str,
-    out: Path,
-    *,
-    force: bool = False,
-    calib_windows: int = 128,
-    corpus: str = "wiki",
-    seed: int = 0,
-    evaluate: bool = True,
-    windows: int = 64,
-    seq_len: int = 512,
-    cache: Path | None = None,
-    dtype: torch.dtype = DEFAULT_DTYPE,
-    progress: bool = True,
-) -> ExportResult:
-    """``lowbit quantize``: load ``model``, quantize it with ``recipe`` (calibrating when the
-    recipe has static scales), write the compressed-tensors folder ``out`` and, if
-    ``evaluate``, evaluate the written checkpoint against the unquantized model.
-
-    The evaluation reads every weight back from the written files through compressed-tensors'
-    decompressors; activation and KV quantization run in lowbit's runtime with the scales
-    that were written.  Bad recipes and an existing ``out`` are refused before any work.
-    """
-    import copy
-
-    from ..evaluation.compare import Workbench
-    from ..evaluation.metrics import evaluate as run_eval
-    from ..quantization.recipe import load_recipe
-    from ..quantization.runtime import quantized_execution
-
-    r = load_recipe(recipe)
-    check_recipe(r)
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
-    calibrate = r.needs_calibration or r.algorithms.layerwise
-    bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
-                           calib_windows=calib_windows if calibrate else 0, seed=seed, cache=cache,
-                           progress=progress)
-    shapes = _linear_shapes(bench.model)
-    check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
-    if evaluate:
-        bench.reference  # from the unquantized model, before it is quantized in place
-    layerwise = r.algorithms.layerwise
-    stats = bench.stats if r.needs_calibration and not layerwise else None
-    state = _quantize(bench.model, r, stats, progress, bench.calib_windows if layerwise else None)
-
-    def _evaluate(folder: Path) -> dict:
-        written = read_into(copy.deepcopy(bench.model), folder)
-        with quantized_execution(written, state) as fwd:
-            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
-        ref = bench.reference_row().eval
-        return {"corpus": corpus, "reference": ref.to_dict(), "checkpoint": ev.to_dict()}
-
-    return export(bench.model, state, out, tokenizer=bench.tokenizer, source=bench.info.path, dtype=dtype,
-                  force=force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
-
-
-def _quantize(model: nn.Module, recipe, stats, progress: bool, calibration=None) -> QuantState:
-    from ..quantization.pipeline import quantize
-
-    return quantize(model, recipe, stats, keep_qtensors=True, progress=progress, calibration=calibration)

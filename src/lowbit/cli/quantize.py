@@ -9,8 +9,7 @@ __all__ = ["register", "cmd_quantize", "cmd_serve_command"]
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from ..checkpoint.write import quantize_to_folder
-    from ..checkpoint.stream import quantize_streaming
+    from ..workflows import quantize_streaming, quantize_to_folder
 
     if args.low_memory:
         if args.eval:

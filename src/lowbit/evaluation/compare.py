@@ -206,6 +206,11 @@ class Workbench:
             )
         return self._stats
 
+    @property
+    def calibration(self) -> torch.Tensor | None:
+        """The calibration windows, or ``None`` when the bench was loaded without any."""
+        return self.calib_windows if len(self.calib_windows) else None
+
     def reference_row(self) -> Row:
         ref = self.reference
         ev = summarize_reference(ref, name="reference", seed=self.seed)
@@ -223,12 +228,9 @@ class Workbench:
             ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress,
                           workers=self.workers)
             return Row(label, "as loaded", ev, weight_bits(model, None), HIGH_PRECISION_BITS, 0.0)
-        layerwise = recipe.algorithms.layerwise
-        stats = self.stats if recipe.needs_calibration and not layerwise else None
         model = copy.deepcopy(model)
         t0 = time.perf_counter()
-        state = quantize(model, recipe, stats, only=only, progress=self.progress,
-                         calibration=self.calib_windows if layerwise else None)
+        state = quantize(model, recipe, self.calibration, stats=lambda: self.stats, only=only, progress=self.progress)
         tq = time.perf_counter() - t0
         with quantized_execution(model, state) as fwd:
             ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress,
@@ -253,7 +255,8 @@ def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], Non
         bench.stats  # calibrate once, up front, so that stage times stay separate
     if on_row:
         on_row(result.rows[-1])
-    for r in parsed:
+    for i, r in enumerate(parsed, 1):
+        log.info("config %d/%d: %s (%s)", i, len(parsed), r.name, r.description or r.summary())
         t0 = time.perf_counter()
         result.rows.append(bench.run(r))
         bench.stage_seconds[f"config {r.name}"] = time.perf_counter() - t0

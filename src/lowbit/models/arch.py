@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Arch", "ARCHS", "arch_of", "decoder_layers", "linear_names", "Balance"]
+__all__ = ["Arch", "ARCHS", "arch_of", "decoder_layers", "linear_names", "Balance", "bos_required"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def linear_names(model: nn.Module) -> list[str]:
     """Names of every ``nn.Linear`` in ``model``, in module order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+# model_type → trained with a BOS at the start of every sequence. Also the supported list.
+_BOS_BY_MODEL_TYPE = {
+    "llama": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False,
+    "qwen3": False, "qwen3_moe": False, "gemma": True, "gemma2": True, "gemma3_text": True,
+}
+
+
+def bos_required(model_type: str, tokenizer) -> bool:
+    """From the architecture table, or when the tokenizer itself prepends BOS (Llama 3 does)."""
+    if model_type not in _BOS_BY_MODEL_TYPE:
+        raise ValueError(f"unsupported architecture {model_type!r}; supported model types: "
+                         f"{', '.join(_BOS_BY_MODEL_TYPE)}")
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    return _BOS_BY_MODEL_TYPE[model_type] or adds_bos

@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 
+from .arch import bos_required
 from .corpora import (Document, hf_documents, jsonl_text, local_documents, read_brown_archive,
                       read_jsonl, read_wiki_archive)
 from ..util.io import atomic_dir, atomic_write_text
@@ -265,14 +266,12 @@ def _convert_gguf(gguf_path: Path, out: Path, sha256: str, note: str) -> None:
     """Dequantize a GGUF once into a normal Hugging Face folder ``out`` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import _needs_bos
-
     log.info("converting %s to %s (dequantizing to fp32 takes 10-40 s)", gguf_path.name, out)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                  dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    _needs_bos(model.config.model_type, tokenizer)  # refuse an unsupported architecture early
+    bos_required(model.config.model_type, tokenizer)  # refuse an unsupported architecture early
     with atomic_dir(out, force=True) as tmp:
         _save_hf(model, tokenizer, tmp)
         record = {"source_file": str(gguf_path), "source_sha256": sha256,

@@ -9,13 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from .arch import bos_required
 from .assets import MODEL_ASSETS, RECORD, _gguf_folder, cache_dir, fetch
+from .offload import checkpoint_files, read_tensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ModelInfo", "load_model"]
+__all__ = ["ModelInfo", "load_model", "read_into"]
 
 
 @dataclass(frozen=True)
@@ -31,23 +34,6 @@ class ModelInfo:
     path: Path
     needs_bos: bool
     reference_note: str
-
-
-# model_type → trained with a BOS at the start of every sequence. Also the supported list.
-_BOS_BY_MODEL_TYPE = {
-    "llama": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False,
-    "qwen3": False, "qwen3_moe": False, "gemma": True, "gemma2": True, "gemma3_text": True,
-}
-
-
-def _needs_bos(model_type: str, tokenizer) -> bool:
-    """From the architecture table, or when the tokenizer itself prepends BOS (Llama 3 does)."""
-    if model_type not in _BOS_BY_MODEL_TYPE:
-        raise ValueError(f"unsupported architecture {model_type!r}; supported model types: "
-                         f"{', '.join(_BOS_BY_MODEL_TYPE)}")
-    bos = tokenizer.bos_token_id
-    adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
-    return _BOS_BY_MODEL_TYPE[model_type] or adds_bos
 
 
 def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dtype = torch.float32,
@@ -89,7 +75,7 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
                       f"({', '.join(MODEL_ASSETS)}), a folder or a .gguf file, and the hub did not "
                       f"provide it ({exc}). Offline, use `lowbit assets fetch smollm2-135m`.") from exc
     tokenizer = AutoTokenizer.from_pretrained(source)
-    needs_bos = _needs_bos(config.model_type, tokenizer)
+    needs_bos = bos_required(config.model_type, tokenizer)
     if not isinstance(source, Path) and lazy:
         from transformers.utils import cached_file
         source = Path(cached_file(name_or_path, "config.json")).parent
@@ -131,8 +117,6 @@ def _load_compressed_tensors(folder: Path, config, dtype: torch.dtype):
 
     from transformers import AutoModelForCausalLM
 
-    from ..checkpoint.write import read_into
-
     plain = copy.deepcopy(config)
     del plain.quantization_config
     model = AutoModelForCausalLM.from_config(plain, dtype=dtype)
@@ -158,3 +142,34 @@ def _reference_note(folder: Path, config) -> str:
         return ""
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
     return f"loaded from a {method}-quantized checkpoint: the reference is its dequantized weights"
+
+
+@torch.no_grad()
+def read_into(model: nn.Module, folder: Path) -> nn.Module:
+    """Load the checkpoint in ``folder`` into ``model`` (same architecture), every quantized
+    weight decompressed by compressed-tensors itself, every other tensor as stored.
+
+    Raises:
+        ImportError: compressed-tensors is not installed.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    qc = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    groups = list(parsed.config_groups.values())
+    files = checkpoint_files(folder)
+    stored = read_tensors(files, list(files))
+    params = dict(model.named_parameters())
+    for name, mod in model.named_modules():
+        # a quantized Linear always stores a weight scale (its "weight", if any, holds codes)
+        if not isinstance(mod, nn.Linear) or f"{name}.weight_scale" not in stored or name in parsed.ignore:
+            continue
+        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
+        if not local:
+            continue
+        scheme = groups[0] if len(groups) == 1 else next(g for g in groups if name in g.targets)
+        stored[f"{name}.weight"] = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"]
+    for name, p in params.items():
+        if name in stored:
+            p.copy_(stored[name].to(p.dtype))
+    return model

@@ -17,7 +17,7 @@ from .calibrate import CalibStats
 from .inputstats import InputStats
 from .kv import KVObserver, cache_kwarg, make_cache
 from ..util.lockstep import run_in_lockstep
-from .pipeline import activation_plan, shared_global_scales
+from .targets import activation_plan, shared_global_scales
 from ..numerics.qtensor import QTensor, compute_qparams, dequantize, quantize as quantize_tensor
 from .recipe import GPTQ_DEFAULTS
 from .runtime import ActQuant

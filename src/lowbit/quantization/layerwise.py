@@ -35,7 +35,7 @@ from .inputstats import InputStats
 from .layerpass import LayerPass
 from ..models.arch import arch_of, decoder_layers
 from ..models.offload import LayerStore, is_lazy
-from .pipeline import kv_plan_from, sibling_groups
+from .targets import kv_plan_from, sibling_groups
 from ..util.progress import staged_progress
 from .recipe import Recipe
 from .runtime import ActQuant, QuantState, quantized_activations

@@ -1,0 +1,123 @@
+"""``lowbit quantize``: a model in, a compressed-tensors folder out (and its evaluation).
+
+Two jobs, one per memory regime:
+
+- :func:`quantize_to_folder`: the whole model in memory; the written folder is read back
+  through compressed-tensors' decompressors and evaluated against the unquantized model.
+- :func:`quantize_streaming`: one decoder layer in memory at a time (models larger than
+  memory); the folder is written layer by layer and nothing is evaluated.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.compressed_tensors import check_recipe, check_shapes
+from ..checkpoint.stream import LayerwiseExport
+from ..checkpoint.write import DEFAULT_DTYPE, ExportResult, _linear_shapes, export
+from ..data import windows as data
+from ..evaluation.compare import Workbench
+from ..evaluation.metrics import evaluate as run_eval
+from ..models.loading import load_model, read_into
+from ..models.offload import LayerStore
+from ..quantization.pipeline import needs_data, quantize
+from ..quantization.recipe import Recipe, load_recipe
+from ..quantization.runtime import quantized_execution
+from ..quantization.targets import sibling_groups
+
+__all__ = ["quantize_to_folder", "quantize_streaming"]
+
+
+def _checked_recipe(recipe: str, out: Path, force: bool) -> Recipe:
+    """The recipe, refused before any work if it does not export or ``out`` exists."""
+    r = load_recipe(recipe)
+    check_recipe(r)
+    if Path(out).exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
+    return r
+
+
+def quantize_to_folder(
+    model: str,
+    recipe: str,
+    out: Path,
+    *,
+    force: bool = False,
+    calib_windows: int = 128,
+    corpus: str = "wiki",
+    seed: int = 0,
+    evaluate: bool = True,
+    windows: int = 64,
+    seq_len: int = 512,
+    cache: Path | None = None,
+    dtype: torch.dtype = DEFAULT_DTYPE,
+    progress: bool = True,
+) -> ExportResult:
+    """Load ``model``, quantize it with ``recipe`` (calibrating when the recipe needs data),
+    write the compressed-tensors folder ``out`` and, if ``evaluate``, evaluate the written
+    checkpoint against the unquantized model.
+
+    The evaluation reads every weight back from the written files through compressed-tensors'
+    decompressors; activation and KV quantization run in lowbit's runtime with the scales
+    that were written.  Bad recipes and an existing ``out`` are refused before any work.
+    """
+    out = Path(out)
+    r = _checked_recipe(recipe, out, force)
+    bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
+                           calib_windows=calib_windows if needs_data(r) else 0, seed=seed, cache=cache,
+                           progress=progress)
+    shapes = _linear_shapes(bench.model)
+    check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
+    if evaluate:
+        bench.reference  # from the unquantized model, before it is quantized in place
+    state = quantize(bench.model, r, bench.calibration, stats=lambda: bench.stats, keep_qtensors=True,
+                     progress=progress)
+
+    def _evaluate(folder: Path) -> dict:
+        written = read_into(copy.deepcopy(bench.model), folder)
+        with quantized_execution(written, state) as fwd:
+            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
+        ref = bench.reference_row().eval
+        return {"corpus": corpus, "reference": ref.to_dict(), "checkpoint": ev.to_dict()}
+
+    return export(bench.model, state, out, tokenizer=bench.tokenizer, source=bench.info.path, dtype=dtype,
+                  force=force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
+
+
+def quantize_streaming(
+    model: str,
+    recipe: str,
+    out: Path,
+    *,
+    force: bool = False,
+    calib_windows: int = 128,
+    corpus: str = "wiki",
+    seed: int = 0,
+    seq_len: int = 512,
+    cache: Path | None = None,
+    dtype: torch.dtype = DEFAULT_DTYPE,
+    progress: bool = True,
+) -> ExportResult:
+    """``lowbit quantize --low-memory``: quantize ``model`` holding one decoder layer in
+    memory at a time and write the compressed-tensors folder ``out`` layer by layer.
+
+    The model is read lazily from its safetensors checkpoint (:mod:`lowbit.models.offload`).
+    Recipes that need data — layer-by-layer methods, and static activation or KV scales —
+    run in the layer-by-layer pipeline (so static scales come from each layer's inputs as
+    the quantized layers before it produce them); plain rounding needs no data.  Nothing is
+    evaluated (that needs the whole model: ``lowbit eval OUT --reference MODEL``).
+    """
+    out = Path(out)
+    r = _checked_recipe(recipe, out, force)
+    m, tok, info = load_model(model, cache=cache, lazy=True)
+    calib = None
+    if needs_data(r):
+        bos = tok.bos_token_id if info.needs_bos else None
+        calib = data.calibration_windows(data.stream_for(tok, corpus, "train", cache=cache), calib_windows, seq_len,
+                                         seed, bos)
+    with LayerStore(m, info.path) as store, LayerwiseExport(out, m, r, dtype=dtype, force=force) as ex:
+        state = quantize(m, r, calib, keep_qtensors=True, progress=progress, store=store, on_layer=ex.layer_done)
+        return ex.finish(state, store=store, tokenizer=tok, source=info.path, model_name=info.name)
