@@ -176,7 +176,7 @@ def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from .._version import __version__
 
     p = argparse.ArgumentParser(prog="lowbit", description="Quantize, measure, plan and ship low-bit LLMs.")
     p.add_argument("--version", action="version", version=f"lowbit {__version__}")

@@ -15,11 +15,13 @@ converted in ``lowbit.export`` and nowhere else.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from . import formats as F
+from ..util.validate import from_mapping
 from .granularity import CHANNEL, TENSOR, TOKEN, Granularity, block, group, parse_granularity
 
 __all__ = [
@@ -97,16 +99,14 @@ class Scheme:
             raise ValueError("full_range applies to symmetric integer formats only")
 
     def __str__(self) -> str:
+        """Every field that differs from its default, so that different schemes print differently."""
         parts = [self.format.name, str(self.granularity)]
         if not self.symmetric:
             parts.append("asym")
         parts.append(f"scale={self.scale_dtype}")
-        if self.global_scale:
-            parts.append("+global")
-        if self.dynamic:
-            parts.append("dynamic")
-        if self.full_range:
-            parts.append("full-range")
+        flags = {"global_scale": "+global", "dynamic": "dynamic", "full_range": "full-range",
+                 "mx_round_up": "mx-round-up", "mx_nearest": "mx-nearest"}
+        parts += [label for name, label in flags.items() if getattr(self, name)]
         return " ".join(parts)
 
     @property
@@ -118,17 +118,12 @@ class Scheme:
         return self.format.max
 
     def to_dict(self) -> dict:
-        return {
-            "format": self.format.name,
-            "granularity": str(self.granularity),
-            "symmetric": self.symmetric,
-            "scale_dtype": self.scale_dtype,
-            "global_scale": self.global_scale,
-            "dynamic": self.dynamic,
-            "mx_round_up": self.mx_round_up,
-            "full_range": self.full_range,
-            "mx_nearest": self.mx_nearest,
-        }
+        """The fields as plain values: what :func:`scheme_from_dict` reads back."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.name if isinstance(v, F.Format) else (str(v) if isinstance(v, Granularity) else v)
+        return out
 
     # -- scales ------------------------------------------------------------------------
 
@@ -243,12 +238,22 @@ def get_scheme(name: str) -> Scheme:
         raise KeyError(f"unknown scheme {name!r}; presets are: {', '.join(PRESETS)}") from None
 
 
-_SCHEME_KEYS = {"format", "granularity", "symmetric", "scale_dtype", "global_scale", "dynamic", "mx_round_up",
-                "full_range", "mx_nearest"}
+def _format(v, where: str) -> F.Format:
+    if not isinstance(v, str) or v not in F.FORMATS:
+        raise ValueError(f"{where}: unknown format {v!r}; known: {', '.join(F.FORMATS)}")
+    return F.FORMATS[v]
+
+
+def _granularity(v, where: str) -> Granularity:
+    try:
+        return parse_granularity(str(v))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
-    """A scheme from a preset name or a mapping with the keys of :meth:`Scheme.to_dict`.
+    """A scheme from a preset name or a mapping with the keys of :meth:`Scheme.to_dict`
+    (parsed field by field, :func:`lowbit.util.validate.from_mapping`).
 
     ``where`` names the place in a config file for error messages.
     """
@@ -259,28 +264,8 @@ def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
             raise ValueError(f"{where}: {e.args[0]}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected a preset name or a mapping, got {type(d).__name__}")
-    unknown = set(d) - _SCHEME_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SCHEME_KEYS)}")
-    for key in ("format", "granularity"):
-        if key not in d:
-            raise ValueError(f"{where}.{key}: required")
-    if d["format"] not in F.FORMATS:
-        raise ValueError(f"{where}.format: unknown format {d['format']!r}; known: {', '.join(F.FORMATS)}")
-    try:
-        return Scheme(
-            format=F.FORMATS[d["format"]],
-            granularity=parse_granularity(str(d["granularity"])),
-            symmetric=bool(d.get("symmetric", True)),
-            scale_dtype=d.get("scale_dtype", "fp32"),
-            global_scale=bool(d.get("global_scale", False)),
-            dynamic=bool(d.get("dynamic", False)),
-            mx_round_up=bool(d.get("mx_round_up", False)),
-            full_range=bool(d.get("full_range", False)),
-            mx_nearest=bool(d.get("mx_nearest", False)),
-        )
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    return from_mapping(Scheme, d, where, parsers={"format": _format, "granularity": _granularity},
+                        required=("format", "granularity"))
 
 
 # -- sizes ---------------------------------------------------------------------------

@@ -1,58 +1,87 @@
 """One decoder layer's pass of the layer-by-layer pipeline: every calibration chunk runs
 the layer in lockstep, and each group of Linears that reads one input is quantized when
-all chunks have reached it (see :mod:`lowbit.layerwise`)."""
+all chunks have reached it (see :mod:`lowbit.quantization.layerwise`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import algorithms as A
+from ..numerics.scheme import Scheme
 from ..util import heap
+from ..util.lockstep import run_in_lockstep
 from .calibrate import CalibStats
 from .inputstats import InputStats
-from .kv import KVObserver, cache_kwarg, make_cache
-from ..util.lockstep import run_in_lockstep
+from .kv import KVObserver, make_cache
+from .recipe import Algorithms
+from .runtime import ActQuant, QuantState
 from .targets import activation_plan, shared_global_scales
-from ..numerics.qtensor import QTensor, compute_qparams, dequantize, quantize as quantize_tensor
-from .recipe import GPTQ_DEFAULTS
-from .runtime import ActQuant
-from ..numerics.scheme import Scheme
+from .weights import WeightMethod
 
-__all__ = ["LayerPass"]
+__all__ = ["LayerPass", "PassContext"]
 
 
 def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-class LayerPass:
-    """What the layers' passes of one quantization run share: the model, the plan, the
-    methods, and the QuantState and statistics they fill in."""
+@dataclass(frozen=True)
+class PassContext:
+    """What the layers' passes of one quantization run share: the model and its plan, the
+    weight method, and the QuantState and statistics the passes fill in.
 
-    def __init__(self, model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every, *,
-                 kv: bool, keep_qtensors: bool, times: dict) -> None:
-        self.model, self.modules, self.plan, self.algo = model, modules, plan, algo
-        self.state, self.stats, self.online, self.siblings = state, stats, online, siblings
-        self.need_h, self.sample_every = need_h, sample_every
-        self.bf16_gram = need_h and {**GPTQ_DEFAULTS, **algo.gptq}["hessian"] == "bf16"
-        # channel absmax feeds static input scales and outlier channels only
-        self.need_absmax = algo.outliers is not None or any(
-            i is not None and (not i.dynamic or i.global_scale) for _, i in plan.values())
-        self.kw_cache = cache_kwarg(model) if kv else None
-        self.keep_qtensors = keep_qtensors
-        self.times = times
-        self.stage: Callable[[str], None] = lambda group: None  # shows the group being quantized
+    ``online``: rotations applied to Linear inputs at run time; ``siblings``: fused groups
+    sharing a global scale; ``need_h``: GPTQ's Hessians are accumulated;
+    ``sample_every``: AWQ's token sampling stride (0: none); ``kv_cache_kwarg``: the
+    forward keyword of the KV cache when K/V scales are calibrated, else ``None``.
+    """
+
+    model: nn.Module
+    modules: dict[str, nn.Module]
+    plan: dict[str, tuple[Scheme | None, Scheme | None]]
+    algo: Algorithms
+    state: QuantState
+    stats: CalibStats
+    online: dict[str, torch.Tensor]
+    siblings: list[tuple[str, ...]]
+    need_h: bool
+    sample_every: int
+    kv_cache_kwarg: str | None
+    keep_qtensors: bool
+
+    @property
+    def method(self) -> WeightMethod:
+        return WeightMethod(self.algo)
+
+    @property
+    def bf16_gram(self) -> bool:
+        return self.need_h and self.algo.gptq.hessian == "bf16"
+
+    @property
+    def need_absmax(self) -> bool:
+        """Channel absmax feeds static input scales and outlier channels only."""
+        return self.algo.outliers is not None or any(
+            i is not None and (not i.dynamic or i.global_scale) for _, i in self.plan.values())
+
+
+class LayerPass:
+    """One decoder layer's pass at a time, over a run's :class:`PassContext`."""
+
+    def __init__(self, ctx: PassContext, stage: Callable[[str], None] = lambda group: None) -> None:
+        self.ctx = ctx
+        self.stage = stage  # shows the group being quantized
 
     def layer_pass(self, i: int, layer: nn.Module, inputs: list[torch.Tensor], kwargs: dict, lnames: list[str],
-                   leader: dict[str, str]) -> list[torch.Tensor]:
-        """Layer ``i`` over every chunk of ``inputs`` in one pass, quantizing as it goes.
+                   leader: dict[str, str]) -> tuple[list[torch.Tensor], float]:
+        """Layer ``i`` over every chunk of ``inputs`` in one pass, quantizing as it goes;
+        returns the layer's outputs per chunk and the seconds spent quantizing weights.
 
-        Every chunk runs the real forward, in lockstep (:mod:`lowbit.lockstep`): at the
+        Every chunk runs the real forward, in lockstep (:mod:`lowbit.util.lockstep`): at the
         first Linear of each group that reads one input, every chunk's input is added to
         the group's statistics; when all chunks are there, the group's weights are
         quantized and its input quantization fixed; then every chunk continues through
@@ -61,16 +90,18 @@ class LayerPass:
         the quantized layer's.  ``inputs`` is consumed (its entries are released as the
         layer reads them), so that a chunk's input can be freed inside the layer.
         """
-        hooked = [n for n in lnames if n in self.plan or n in self.online]
+        ctx = self.ctx
+        hooked = [n for n in lnames if n in ctx.plan or n in ctx.online]
         istats: dict[str, InputStats] = {}
         acts: dict[str, ActQuant] = {}  # quantization of each input, its rotation already applied
         done: set[str] = set()
         meeting = []  # the meet() of the lockstep run, once it has started
-        obs = KVObserver() if self.kw_cache else None
-        algo = self.algo
+        obs = KVObserver() if ctx.kv_cache_kwarg else None
+        need_absmax, bf16_gram, squares = ctx.need_absmax, ctx.bf16_gram, ctx.algo.mse_importance
+        weight_seconds = 0.0
 
         def hook_for(n):
-            g, rot = leader[n], self.online.get(n)
+            g, rot = leader[n], ctx.online.get(n)
 
             def hook(mod, args):
                 x = args[0]
@@ -78,15 +109,16 @@ class LayerPass:
                     x = x @ rot.to(x.dtype)
                 if g not in done:
                     istats.setdefault(g, InputStats()).add(
-                        x, absmax=self.need_absmax, gram=self.need_h, squares=algo.mse_importance,
-                        sample_every=self.sample_every, bf16_gram=self.bf16_gram)
+                        x, absmax=need_absmax, gram=ctx.need_h, squares=squares,
+                        sample_every=ctx.sample_every, bf16_gram=bf16_gram)
                     meeting[0](g)
                 aq = acts.get(n)
                 return ((aq(x) if aq is not None else x),) + tuple(args[1:])
             return hook
 
         def on_meet(g: str) -> None:
-            heap.trim()  # see lowbit.heap: keeps the peak near the live activations
+            nonlocal weight_seconds
+            heap.trim()  # see lowbit.util.heap: keeps the peak near the live activations
             self.stage(g)
             t = time.perf_counter()
             members = [n for n in hooked if leader[n] == g]
@@ -94,21 +126,19 @@ class LayerPass:
             acts.update({n: dataclasses.replace(aq, rotation=None) for n, aq in layer_acts.items()
                          if aq.scheme is not None})
             done.add(g)
-            self.times["weights"] += time.perf_counter() - t
-
-        pending = list(range(len(inputs)))
+            weight_seconds += time.perf_counter() - t
 
         def work(k: int, meet):
             meeting[:] = [meet]
             h, inputs[k] = inputs[k], None
             kw = dict(kwargs)
             if obs is not None:
-                kw[self.kw_cache] = make_cache(self.model.config, obs.on_write, store=False)
+                kw[ctx.kv_cache_kwarg] = make_cache(ctx.model.config, obs.on_write, store=False)
             return _layer_out(layer(h, **kw))
 
-        handles = [self.modules[n].register_forward_pre_hook(hook_for(n)) for n in hooked]
+        handles = [ctx.modules[n].register_forward_pre_hook(hook_for(n)) for n in hooked]
         try:
-            outputs = run_in_lockstep(work, pending, on_meet)
+            outputs = run_in_lockstep(work, list(range(len(inputs))), on_meet)
         finally:
             for hd in handles:
                 hd.remove()
@@ -116,99 +146,44 @@ class LayerPass:
         if missed:
             raise RuntimeError(f"layer {i}: these Linears never ran, so they were not quantized: {missed}")
         if obs is not None:
-            self.stats.k_absmax.update(obs.k_absmax)
-            self.stats.v_absmax.update(obs.v_absmax)
-        return outputs
+            ctx.stats.k_absmax.update(obs.k_absmax)
+            ctx.stats.v_absmax.update(obs.v_absmax)
+        return outputs, weight_seconds
 
-    def _quantize_group(self, members: list[str], st: "InputStats", leader: dict[str, str]) -> dict[str, ActQuant]:
+    def _quantize_group(self, members: list[str], st: InputStats, leader: dict[str, str]) -> dict[str, ActQuant]:
         """Quantize the weights of Linears that read one input, from its statistics; record
         the statistics for static scales; return how their inputs are quantized."""
-        plan, modules, algo, state = self.plan, self.modules, self.algo, self.state
+        ctx = self.ctx
+        plan, modules, state, method = ctx.plan, ctx.modules, ctx.state, ctx.method
         members_plan = {n: plan[n] for n in members if n in plan}
-        shared = shared_global_scales(modules, members_plan, self.siblings)
+        shared = shared_global_scales(modules, members_plan, ctx.siblings)
         todo = [n for n in members if n in plan and plan[n][0] is not None]
-        for batch_names in _weight_batches(todo, leader, plan, algo, modules):
+        for batch_names in _weight_batches(todo, leader, plan, method):
             scheme = plan[batch_names[0]][0]
             ws = [modules[n].weight.detach().float() for n in batch_names]
-            results = _split(_quantize_weight(torch.cat(ws), scheme, st, algo, shared.get(batch_names[0])),
-                             [w.shape[0] for w in ws])
-            for n, qt in zip(batch_names, results):
-                if isinstance(qt, QTensor):
-                    new = dequantize(qt)
-                    if self.keep_qtensors:
-                        state.weights[n] = qt
-                else:
-                    new = qt
-                modules[n].weight.copy_(new.to(modules[n].weight.dtype))
+            result = method.quantize(torch.cat(ws), scheme, st, shared.get(batch_names[0]))
+            for n, q in zip(batch_names, result.split([w.shape[0] for w in ws])):
+                if q.qtensor is not None and ctx.keep_qtensors:
+                    state.weights[n] = q.qtensor
+                modules[n].weight.copy_(q.weight.to(modules[n].weight.dtype))
                 state.weight_schemes[n] = scheme
         if st.absmax is not None:
             for n in members:
-                self.stats.input_absmax[n] = st.absmax
-        layer_acts = activation_plan(members_plan, self.stats, self.online,
-                                     _keep_channels(algo, self.stats, members, plan))
+                ctx.stats.input_absmax[n] = st.absmax
+        keep = method.keep_channels(st)
+        kept = {} if keep is None else {n: keep for n in members if n in plan and plan[n][1] is not None}
+        layer_acts = activation_plan(members_plan, ctx.stats, ctx.online, kept)
         state.activations.update(layer_acts)
         return layer_acts
 
 
-def _weight_batches(names: list[str], leader: dict[str, str], plan, algo, modules) -> list[list[str]]:
-    """Linears quantized in one call: with GPTQ, those that read the same input and use
-    the same scheme, when their scale blocks are one row high (so that stacking rows
-    changes no scale); every other linear alone."""
+def _weight_batches(names: list[str], leader: dict[str, str], plan, method: WeightMethod) -> list[list[str]]:
+    """Linears quantized in one call: those that read the same input and use the same
+    scheme when the method can stack them (:meth:`WeightMethod.stackable`); every other
+    linear alone."""
     batches: dict[tuple, list[str]] = {}
     for n in names:
         scheme = plan[n][0]
-        stackable = algo.gptq is not None and algo.outliers is None and scheme.granularity.kind in ("channel", "group")
-        key = (leader[n], scheme) if stackable else (n,)
+        key = (leader[n], scheme) if method.stackable(scheme) else (n,)
         batches.setdefault(key, []).append(n)
     return list(batches.values())
-
-
-def _split(q, rows: list[int]):
-    """Split a quantized stack of weights back into its members."""
-    if len(rows) == 1:
-        return [q]
-    if not isinstance(q, QTensor):
-        return list(torch.split(q, rows))
-    codes = torch.split(q.codes, rows)
-    scales = torch.split(q.scale, rows)
-    zeros = torch.split(q.zero, rows) if q.zero is not None else [None] * len(rows)
-    return [QTensor(c, s, z, q.global_scale, q.scheme) for c, s, z in zip(codes, scales, zeros)]
-
-
-def _keep_channels(algo, stats: CalibStats, lnames: list[str], plan) -> dict[str, torch.Tensor]:
-    if algo.outliers is None:
-        return {}
-    out = {}
-    for n in lnames:
-        if n in plan and plan[n][1] is not None:
-            cfg = algo.outliers
-            out[n] = A.outlier_channels(stats.input_absmax[n], cfg.get("threshold", 6.0), top_k=cfg.get("top_k"))
-    return out
-
-
-def _quantize_weight(w: torch.Tensor, scheme: Scheme, st: InputStats, algo, global_scale):
-    """One weight by the configured method; a QTensor, or a plain tensor (outliers)."""
-    importance = st.sq_sum / max(st.tokens, 1) if algo.mse_importance else None
-
-    def observe(wg, cols, g):
-        imp = importance[cols] if importance is not None else None
-        return A.mse_qparams(wg, scheme, importance=imp, global_scale=g)
-
-    if algo.outliers is not None:
-        keep = A.outlier_channels(st.absmax, algo.outliers.get("threshold", 6.0), top_k=algo.outliers.get("top_k"))
-        return A.fake_quantize_with_outliers(w, scheme, keep)
-    if algo.gptq is not None:
-        cfg = {**GPTQ_DEFAULTS, **algo.gptq}
-        return A.gptq(
-            w, st.hessian, scheme,
-            block_size=int(cfg["block_size"]), damp=float(cfg["damp"]),
-            act_order=bool(cfg["act_order"]), static_groups=bool(cfg["static_groups"]),
-            qparams_fn=observe if algo.observer == "mse" else None, global_scale=global_scale,
-        )
-    if algo.awq is not None and algo.awq.get("clip", True):
-        qp = A.awq_clip(st.x, w, scheme, global_scale=global_scale)
-        return quantize_tensor(w, scheme, qp)
-    if algo.observer == "mse":
-        imp = importance
-        return quantize_tensor(w, scheme, A.mse_qparams(w, scheme, importance=imp, global_scale=global_scale))
-    return quantize_tensor(w, scheme, compute_qparams(w, scheme, global_scale))

@@ -32,11 +32,13 @@ from . import algorithms as A
 from ..util import heap
 from .calibrate import CalibStats
 from .inputstats import InputStats
-from .layerpass import LayerPass
+from .kv import cache_kwarg
+from .layerpass import LayerPass, PassContext
 from ..models.arch import arch_of, decoder_layers
 from ..models.offload import LayerStore, is_lazy
 from .targets import kv_plan_from, sibling_groups
 from ..util.progress import staged_progress
+from .methods import RotationConfig
 from .recipe import Recipe
 from .runtime import ActQuant, QuantState, quantized_activations
 from .transforms import (balance, balance_groups, residual_rotation_supported, rotate_down_input, rotate_residual_ends,
@@ -112,18 +114,18 @@ def _groups_of_inputs(names: list[str], arch, prefix: str) -> dict[str, str]:
     return leader
 
 
-def _rotations(model: nn.Module, cfg: dict | None) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
+def _rotations(model: nn.Module, cfg: RotationConfig | None) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
     """Apply the model-level part of the configured rotations now; return the online
     rotations (module name → matrix) and the per-layer part, ``rotate(i)``, which the
     pipeline applies to each decoder layer when it reaches it (each layer's rotation is
     independent of the others', so this equals rotating the whole model first)."""
     if cfg is None:
         return {}, lambda i: None
-    seed = int(cfg.get("seed", 0))
+    seed = cfg.seed
     cfgd = model.config
     arch = arch_of(model)
     Q = H = None
-    if cfg.get("residual", True):
+    if cfg.residual:
         why = residual_rotation_supported(model)
         if why:
             log.warning("residual rotation skipped: %s", why)
@@ -131,7 +133,7 @@ def _rotations(model: nn.Module, cfg: dict | None) -> tuple[dict[str, torch.Tens
             Q = A.random_hadamard(cfgd.hidden_size, seed)
             rotate_residual_ends(model, Q)
     online = {}
-    if cfg.get("down", True):
+    if cfg.down:
         H = A.random_hadamard(cfgd.intermediate_size, seed + 1)
         online = {f"{arch.layers}.{i}.{arch.down}": H for i in range(len(decoder_layers(model)))}
 
@@ -194,20 +196,19 @@ def quantize_layerwise(
     need_h = algo.gptq is not None
     sample_every = 0
     if awq_cfg is not None:
-        tokens = int(awq_cfg.get("tokens", 4096))
+        tokens = awq_cfg.tokens
         total = sum(x.shape[0] * x.shape[1] for x in inputs)
         sample_every = max(1, total // tokens)
     siblings = sibling_groups(model)
     times = {"balancing": 0.0, "pass": 0.0, "weights": 0.0}
-
-    ctx = LayerPass(model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every,
-                    kv=recipe.kv_cache is not None, keep_qtensors=keep_qtensors, times=times)
-    method = "GPTQ" if algo.gptq is not None else ("AWQ clipping" if awq_cfg is not None and awq_cfg.get("clip", True)
-                                                    else ("MSE scales" if algo.observer == "mse" else "rounding"))
+    ctx = PassContext(model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every,
+                      kv_cache_kwarg=cache_kwarg(model) if recipe.kv_cache is not None else None,
+                      keep_qtensors=keep_qtensors)
+    method = ctx.method.label
     with heap.map_large_allocations():  # see lowbit.heap
         for i, stage in staged_progress(range(len(layers)), f"quantizing {recipe.name} layer by layer",
                                         enabled=progress):
-            ctx.stage = lambda g, stage=stage: stage(f"{method} {g.rsplit('.', 2)[-2]}.{g.rsplit('.', 1)[-1]}")
+            layer_pass = LayerPass(ctx, lambda g, stage=stage: stage(f"{method} {g.rsplit('.', 2)[-2]}.{g.rsplit('.', 1)[-1]}"))
             prefix = f"{arch.layers}.{i}"
             lnames = [n for n in names if n.startswith(prefix + ".")]
             leader = _groups_of_inputs(lnames, arch, prefix)
@@ -221,9 +222,10 @@ def quantize_layerwise(
                                algo, sample_every, prefix)
                 times["balancing"] += time.perf_counter() - t_b
             stage("statistics")
-            t_p, w0 = time.perf_counter(), times["weights"]
-            inputs = ctx.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
-            times["pass"] += time.perf_counter() - t_p - (times["weights"] - w0)
+            t_p = time.perf_counter()
+            inputs, weight_seconds = layer_pass.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
+            times["weights"] += weight_seconds
+            times["pass"] += time.perf_counter() - t_p - weight_seconds
             if on_layer is not None:
                 state.kv = kv_plan_from(recipe, stats)  # this layer's K/V scales are known now
                 on_layer(i, state)
@@ -277,9 +279,9 @@ def _balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader,
         if algo.smoothquant is not None:
             if not any(plan.get(n, (None, None))[1] is not None for n in next_names):
                 continue  # SmoothQuant helps activation quantization only
-            s = A.smoothquant_scales(st.absmax, ws, float(algo.smoothquant.get("alpha", 0.5)))
+            s = A.smoothquant_scales(st.absmax, ws, algo.smoothquant.alpha)
         else:
-            s, _ = A.awq_scales(st.x, ws, plan[quantized[0]][0], grid=int(algo.awq.get("grid", 20)),
-                                duo_scaling=bool(algo.awq.get("duo_scaling", False)))
+            s, _ = A.awq_scales(st.x, ws, plan[quantized[0]][0], grid=algo.awq.grid,
+                                duo_scaling=algo.awq.duo_scaling)
         off = arch.norm_offset if not isinstance(prev, nn.Linear) else 0.0
         balance(prev, nexts, s, norm_offset=off)

@@ -29,9 +29,10 @@ from pathlib import Path
 import yaml
 
 from ..numerics.scheme import Scheme, scheme_from_dict
-from ..util.validate import check_keys
+from ..util.validate import check_keys, from_mapping
+from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConfig, SmoothQuantConfig
 
-__all__ = ["Rule", "KVConfig", "Recipe", "GPTQ_DEFAULTS", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
+__all__ = ["Rule", "KVConfig", "Recipe", "Algorithms", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
 
 #: lm_head (vLLM cannot load a quantized one) and MoE routers stay in high precision
 DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*router*")
@@ -90,81 +91,66 @@ class Algorithms:
     observer) → activation and KV calibration.  An illegal order cannot be written.
 
     Attributes:
-        rotation: rotate the residual stream and the down_proj inputs by seeded random
-            Hadamard matrices (QuaRot / SpinQuant-style); ``{seed, residual, down}``.
-        smoothquant: ``{alpha}`` migration strength.
-        awq: ``{grid, clip, duo_scaling, tokens}``: scale search, then the clipping search.
-        gptq: ``{block_size, damp, act_order, static_groups, hessian}``; unset keys take
-            :data:`GPTQ_DEFAULTS` (activation order with static groups, as
-            llm-compressor's default ``actorder: static``: on SmolLM2 int4 g64 it halves
-            each layer's output error against storage order).  ``hessian``: ``bf16``
-            forms ``XᵀX`` from bf16 products accumulated in fp32 (oneDNN's bf16 math on
-            CPUs that have it), ``fp32`` in plain fp32 (see :mod:`lowbit.layerwise`).
-        observer: ``minmax`` or ``mse`` (clipping search); ``mse_importance`` weights the
-            search by each input channel's mean x².
-        outliers: keep input channels whose calibrated absmax exceeds ``threshold`` × the
-            median in high precision (LLM.int8()-style), for comparison.
+        rotation, smoothquant, awq, gptq, outliers: the method's settings
+            (:mod:`lowbit.quantization.methods`), or ``None``: not run.
+        observer: ``minmax`` or ``mse`` (clipping search) — how RTN and GPTQ choose scales.
+        mse_importance: weight the MSE search by each input channel's mean x².
         batch: calibration windows per layer forward.
     """
 
-    rotation: dict | None = None
-    smoothquant: dict | None = None
-    awq: dict | None = None
-    gptq: dict | None = None
+    rotation: RotationConfig | None = None
+    smoothquant: SmoothQuantConfig | None = None
+    awq: AWQConfig | None = None
+    gptq: GPTQConfig | None = None
     observer: str = "minmax"
     mse_importance: bool = False
-    outliers: dict | None = None
+    outliers: OutlierConfig | None = None
     batch: int = 4
 
     def __post_init__(self) -> None:
+        for name, cls in METHODS.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise ValueError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
         if self.smoothquant is not None and self.awq is not None:
             raise ValueError("smoothquant and awq both rescale the same channels; choose one")
         if self.observer not in ("minmax", "mse"):
             raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if self.gptq is not None and self.gptq.get("hessian", "bf16") not in ("bf16", "fp32"):
-            raise ValueError(f"gptq.hessian must be bf16 or fp32, got {self.gptq['hessian']!r}")
 
     @property
     def layerwise(self) -> bool:
         """Whether the layer-by-layer pipeline is needed (anything beyond plain min-max RTN)."""
-        return any(v is not None for v in (self.rotation, self.smoothquant, self.awq, self.gptq, self.outliers)) or (
-            self.observer != "minmax"
-        )
+        return any(getattr(self, name) is not None for name in METHODS) or self.observer != "minmax"
+
+    @property
+    def weight_method(self) -> str:
+        """Which method chooses the weight codes, by precedence: outlier channels, GPTQ,
+        AWQ clipping, an MSE observer, or min-max rounding."""
+        if self.outliers is not None:
+            return "outlier channels"
+        if self.gptq is not None:
+            return "GPTQ"
+        if self.awq is not None and self.awq.clip:
+            return "AWQ clipping"
+        return "MSE search" if self.observer == "mse" else "min-max"
 
 
-#: GPTQ settings a recipe does not give.  ``act_order`` + ``static_groups``: columns in
-#: decreasing ``H_ii`` order, group scales from the original weights in storage order
-#: (an ordinary group-quantized tensor, no ``g_idx``).
-GPTQ_DEFAULTS = {"block_size": 128, "damp": 0.01, "act_order": True, "static_groups": True, "hessian": "bf16"}
+def _method(cls):
+    """A method's value in YAML: a mapping of its settings, ``true`` (its defaults), or
+    ``false`` / ``null`` (not run)."""
 
-_ALGO_KEYS = {
-    "rotation": {"seed", "residual", "down"},
-    "smoothquant": {"alpha"},
-    "awq": {"grid", "clip", "duo_scaling", "tokens"},
-    "gptq": {"block_size", "damp", "act_order", "static_groups", "hessian"},
-    "outliers": {"threshold", "top_k"},
-}
+    def parse(v, where: str):
+        if v is None or v is False:
+            return None
+        return from_mapping(cls, {} if v is True else v, where)
+
+    return parse
 
 
 def algorithms_from_dict(d: dict, where: str) -> Algorithms:
-    check_keys(d, set(_ALGO_KEYS) | {"observer", "mse_importance", "batch"}, where)
-    kw = {}
-    for key, allowed in _ALGO_KEYS.items():
-        if key in d:
-            v = d[key] if d[key] is not None else {}
-            if v is True:
-                v = {}
-            check_keys(v, allowed, f"{where}.{key}")
-            kw[key] = dict(v)
-    for key in ("observer", "mse_importance", "batch"):
-        if key in d:
-            kw[key] = d[key]
-    try:
-        return Algorithms(**kw)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    return from_mapping(Algorithms, d, where, parsers={name: _method(cls) for name, cls in METHODS.items()})
 
 
 @dataclass(frozen=True)
@@ -218,7 +204,6 @@ class Recipe:
 
 _TOP_KEYS = {"name", "description", "weights", "inputs", "rules", "ignore", "kv_cache", "algorithms"}
 _RULE_KEYS = {"targets", "weights", "inputs"}
-_KV_KEYS = {"scheme", "keys", "values", "value_scheme"}
 
 
 def _opt_scheme(v, where: str) -> Scheme | None:
@@ -252,20 +237,8 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
         )
     kv = None
     if d.get("kv_cache") is not None:
-        k = d["kv_cache"]
-        w = f"{where}.kv_cache"
-        check_keys(k, _KV_KEYS, w)
-        if "scheme" not in k:
-            raise ValueError(f"{w}.scheme: required")
-        try:
-            kv = KVConfig(
-                scheme_from_dict(k["scheme"], f"{w}.scheme"),
-                keys=bool(k.get("keys", True)),
-                values=bool(k.get("values", True)),
-                value_scheme=_opt_scheme(k.get("value_scheme"), f"{w}.value_scheme"),
-            )
-        except ValueError as e:
-            raise ValueError(str(e) if str(e).startswith(where) else f"{w}: {e}") from None
+        kv = from_mapping(KVConfig, d["kv_cache"], f"{where}.kv_cache", required=("scheme",),
+                          parsers={"scheme": scheme_from_dict, "value_scheme": _opt_scheme})
     algorithms = algorithms_from_dict(d.get("algorithms") or {}, f"{where}.algorithms")
     return Recipe(
         name=str(d.get("name", "custom")),
@@ -277,7 +250,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
     )
 
 
-#: GPTQ as the presets run it: activation order with static groups (GPTQ_DEFAULTS), and each
+#: GPTQ as the presets run it: activation order with static groups (GPTQConfig's defaults), and each
 #: group's scale from the MSE clipping search weighted by the input channels' mean x² — on
 #: SmolLM2 int4 g64 that lowers the layers' output error by another 3–14% over min-max scales.
 _GPTQ_MSE = {"gptq": {}, "observer": "mse", "mse_importance": True}

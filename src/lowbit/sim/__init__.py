@@ -1,5 +1,9 @@
 """Capacity planning: memory and speed bounds, and a vLLM V1 serving simulator.
 
+Model shapes from config.json or a built-in table, GPUs as data (``gpus.yaml``), plans whose
+weight bytes come from :func:`lowbit.numerics.bits_per_element`.  May import ``util`` and
+``numerics`` only: it knows no model weights.
+
     from . import capacity_table, memory_report, ...
 """
 

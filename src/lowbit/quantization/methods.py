@@ -1,0 +1,105 @@
+"""Settings of the calibration methods, as frozen typed configs that own their defaults.
+
+Each config validates in ``__post_init__`` (a recipe that parses runs: ``damp: "lots"`` or
+``block_size: -3`` fail when the recipe is read, not after calibration) and is parsed from
+YAML by :func:`lowbit.util.validate.from_mapping`, the same field-driven parser
+:class:`~lowbit.numerics.scheme.Scheme` uses.  ``algorithms: {gptq: {}}`` (or ``gptq: true``)
+turns a method on with its defaults; leaving the key out leaves it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "RotationConfig", "OutlierConfig", "METHODS"]
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ (Frantar et al. 2023; :func:`lowbit.quantization.algorithms.gptq`).
+
+    ``act_order`` + ``static_groups`` (the default, llm-compressor's ``actorder: static``):
+    columns in decreasing ``H_ii`` order, group scales from the original weights in storage
+    order — an ordinary group-quantized tensor, no ``g_idx``; on SmolLM2 INT4 g64 it halves
+    each layer's output error against storage order.  ``damp``: the fraction of the mean
+    Hessian diagonal added to it.  ``hessian``: ``bf16`` forms ``XᵀX`` from bf16 products
+    accumulated in fp32 (oneDNN's bf16 math where the CPU has it), ``fp32`` in plain fp32.
+    """
+
+    block_size: int = 128
+    damp: float = 0.01
+    act_order: bool = True
+    static_groups: bool = True
+    hessian: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0 <= self.damp < 1:
+            raise ValueError(f"damp must be in [0, 1), got {self.damp}")
+        if self.hessian not in ("bf16", "fp32"):
+            raise ValueError(f"hessian must be bf16 or fp32, got {self.hessian!r}")
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """AWQ (Lin et al. 2024; :func:`lowbit.quantization.algorithms.awq_scales`): a grid search
+    over ``s = mean|x|^α`` (``grid`` points of α in [0, 1); with ``duo_scaling`` also divided
+    by the weight's mean magnitude), then, with ``clip``, a search of each group's clipping
+    ratio.  ``tokens``: calibration tokens sampled per layer input for the searches."""
+
+    grid: int = 20
+    clip: bool = True
+    duo_scaling: bool = False
+    tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.grid < 1:
+            raise ValueError(f"grid must be >= 1, got {self.grid}")
+        if self.tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+
+
+@dataclass(frozen=True)
+class SmoothQuantConfig:
+    """SmoothQuant (Xiao et al. 2023, eq. 4): ``s_j = max|X_j|^α / max|W_j|^(1−α)``."""
+
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+
+
+@dataclass(frozen=True)
+class RotationConfig:
+    """Seeded random Hadamard rotations (QuaRot / SpinQuant-style) of the residual stream
+    (``residual``) and of the down_proj inputs (``down``)."""
+
+    seed: int = 0
+    residual: bool = True
+    down: bool = True
+
+
+@dataclass(frozen=True)
+class OutlierConfig:
+    """Input channels whose calibrated absmax exceeds ``threshold`` × the median stay in high
+    precision (LLM.int8()-style; at most ``top_k`` of them when given)."""
+
+    threshold: float = 6.0
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("threshold", self.threshold)
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+
+
+#: the ``algorithms`` keys that name a method, and its config
+METHODS = {"rotation": RotationConfig, "smoothquant": SmoothQuantConfig, "awq": AWQConfig, "gptq": GPTQConfig,
+           "outliers": OutlierConfig}
