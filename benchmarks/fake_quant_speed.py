@@ -52,7 +52,11 @@ def ref_fp4_round(v: torch.Tensor) -> torch.Tensor:
 def ref_mxfp4(w: torch.Tensor) -> torch.Tensor:
     b = w.reshape(N, N // 32, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    scale = torch.exp2(torch.floor(torch.log2(amax)) - 2)  # OCP: floor(log2 amax) − emax(E2M1)
+    # the preset's rule (compressed-tensors'): amax rounded to the nearest power of two at one
+    # mantissa bit (1.75·2^e and up count as 2^(e+1)), then OCP's floor(log2 amax) − emax(E2M1)
+    e = torch.floor(torch.log2(amax))
+    e = e + (amax / torch.exp2(e) >= 1.75).float()
+    scale = torch.exp2(e - 2)
     return (ref_fp4_round((b / scale).clamp(-6, 6)) * scale).reshape(N, N)
 
 
@@ -72,7 +76,7 @@ def ref_fp8_channel(w: torch.Tensor) -> torch.Tensor:
 
 def ref_int4_g128(w: torch.Tensor) -> torch.Tensor:
     b = w.reshape(N, N // 128, 128)
-    s = (b.abs().amax(-1, keepdim=True) / 7).to(torch.bfloat16).float()
+    s = (b.abs().amax(-1, keepdim=True) / 7.5).to(torch.bfloat16).float()  # full range: all 16 levels
     return (torch.round(b / s).clamp(-8, 7) * s).reshape(N, N)
 
 

@@ -1,4 +1,4 @@
-"""Predicted against measured: every serving figure of REFERENCE §6 (and research/anchors_sim.md §6.1).
+"""Predicted against measured: every serving figure of docs/references.md §6 (and research/anchors_sim.md §6.1).
 
     python benchmarks/sim_validation.py          # the table, with the constants of gpus.yaml
     python benchmarks/sim_validation.py --fit    # refit the fitted constants, then the table

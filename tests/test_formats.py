@@ -129,7 +129,7 @@ def test_saturation_and_specials_in_round():
 
 
 def test_fp4_packing_codes_from_reference():
-    # REFERENCE §3: [0.5, -1.0] -> 0xA1, [6.0, -0.0] -> 0x87 (even element in the low nibble)
+    # docs/references.md §3: [0.5, -1.0] -> 0xA1, [6.0, -0.0] -> 0x87 (even element in the low nibble)
     c = F.FP4_E2M1.encode(torch.tensor([0.5, -1.0, 6.0, -0.0]))
     assert [int(c[0] | (c[1] << 4)), int(c[2] | (c[3] << 4))] == [0xA1, 0x87]
 

@@ -1,4 +1,4 @@
-"""Bit packing: REFERENCE §3 worked examples, round trips, and compressed-tensors' own
+"""Bit packing: docs/references.md §3 worked examples, round trips, and compressed-tensors' own
 unpackers as the reference."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Schemes and QTensor: the worked examples of REFERENCE §1, and properties."""
+"""Schemes and QTensor: the worked examples of docs/references.md §1, and properties."""
 
 import math
 
@@ -50,7 +50,7 @@ def test_bits_per_element_worked_examples():
     [(16.0, 140), ("fp8-channel", 70), ("int4-g128", 36), ("mxfp4", 37), ("nvfp4", 39)],
 )
 def test_storage_for_70b_params(bits, gb):
-    # REFERENCE §1: BF16 ≈ 140 GB, FP8 ≈ 70 GB, INT4 g128 ≈ 36 GB, MXFP4 ≈ 37 GB, NVFP4 ≈ 39 GB
+    # docs/references.md §1: BF16 ≈ 140 GB, FP8 ≈ 70 GB, INT4 g128 ≈ 36 GB, MXFP4 ≈ 37 GB, NVFP4 ≈ 39 GB
     bpe = bits if isinstance(bits, float) else lb.bits_per_element(lb.PRESETS[bits], (8192, 8192))
     assert round(70e9 * bpe / 8 / 1e9) == gb
 
@@ -169,7 +169,7 @@ def test_scheme_validation_errors():
         lb.Scheme(F.INT4, lb.CHANNEL, scale_dtype="fp64")
     with pytest.raises(ValueError, match="group size must be a positive"):
         lb.group(0)
-    with pytest.raises(KeyError, match="unknown scheme 'int3-g7'"):
+    with pytest.raises(ValueError, match="unknown scheme 'int3-g7'"):
         lb.get_scheme("int3-g7")
 
 

@@ -7,7 +7,7 @@ from lowbit.numerics.scheme import PRESETS
 
 
 def test_reference_worked_example():
-    # REFERENCE §1: α = 0.5, max|X_j| = 100, max|W_j| = 0.01 → s = 100, both new maxima 1
+    # docs/references.md §1: α = 0.5, max|X_j| = 100, max|W_j| = 0.01 → s = 100, both new maxima 1
     w = torch.tensor([[0.01, 0.5], [-0.005, 0.5]])
     s = smoothquant_scales(torch.tensor([100.0, 1.0]), [w], alpha=0.5)
     assert s[0].item() == pytest.approx(100.0, rel=1e-6)

@@ -1,4 +1,4 @@
-"""The A100-40GB Llama-3.1-8B knee (REFERENCE §6), in AccelMark's configuration (see benchmarks/sim_validation.py)."""
+"""The A100-40GB Llama-3.1-8B knee (docs/references.md §6), in AccelMark's configuration (see benchmarks/sim_validation.py)."""
 
 import sys
 from pathlib import Path

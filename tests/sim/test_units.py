@@ -140,5 +140,14 @@ def test_commands_write_json_and_plot(tmp_path):
     out = json.loads((tmp_path / "s.json").read_text())
     assert [r["plan"] for r in out["rows"]] == ["bf16", "fp8"] and out["rows"][0]["max_rate"]["median"] > 0
     assert (tmp_path / "s.png").stat().st_size > 10_000
-    with pytest.raises(SystemExit, match="unknown GPU 'h900'"):
+    with pytest.raises(ValueError, match="unknown GPU 'h900'"):
         _run(["memory", "--model", "qwen3-0.6b", "--gpu", "h900"])
+    # an existing output is never overwritten without --force, and is refused before any work
+    with pytest.raises(FileExistsError, match="pass --force"):
+        _run(["memory", "--model", "qwen3-0.6b", "--gpu", "l40s", "--json", str(tmp_path / "m.json")])
+    with pytest.raises(FileExistsError, match="pass --force"):
+        _run(["simulate", "--model", "smollm2-135m", "--gpu", "h100", "--quant", "bf16", "--json",
+              str(tmp_path / "s.json")])
+    assert _run(["memory", "--model", "qwen3-0.6b", "--gpu", "l40s", "--quant", "bf16", "--json",
+                 str(tmp_path / "m.json"), "--force"]) == 0
+    assert len(json.loads((tmp_path / "m.json").read_text())) == 1

@@ -1,8 +1,9 @@
 """``lowbit <command>``: each command parses its arguments and calls one library function.
 
 The CLI is the only place that prints.  Errors that come from bad input (``ValueError``,
-``KeyError``, ``FileNotFoundError``, ``FileExistsError``) are shown as one line and exit
-with status 2; anything else is a bug and shows its traceback.
+``FileNotFoundError``, ``FileExistsError``; the library raises these, with a message naming
+what is wrong) are shown as one line and exit with status 2; anything else, ``KeyError``
+included, is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ __all__ = ["main"]
 
 def _write_json(path: str | None, data, force: bool = False) -> None:
     if path:
-        from ..util.io import atomic_write_text
+        from ..util.io import write_json
 
-        if Path(path).exists() and not force:
-            raise FileExistsError(f"{path} exists; pass --force to overwrite it")
-        atomic_write_text(Path(path), json.dumps(data, indent=2) + "\n")
+        write_json(Path(path), data, force=force)
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
@@ -254,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(getattr(args, "verbose", False))
     try:
         return args.func(args)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        msg = str(e)
         print(f"lowbit {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

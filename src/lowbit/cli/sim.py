@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 from pathlib import Path
+
+from ..util.io import refuse_existing
 
 __all__ = ["register"]
 
@@ -23,6 +24,7 @@ def register(subparsers) -> None:
     m.add_argument("--context", type=int, default=8000, help="conversation length in tokens (default 8000)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     m.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    m.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     m.set_defaults(func=_memory)
 
     s = subparsers.add_parser("simulate", help="serving simulation: low-load latency and max rate under an SLO")
@@ -46,6 +48,7 @@ def register(subparsers) -> None:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    s.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     s.add_argument("--plot", metavar="FILE.png", help="draw TTFT/TPOT percentiles against request rate")
     s.set_defaults(func=_simulate)
 
@@ -60,8 +63,10 @@ def _csv(text: str, cast, what: str) -> list:
     return items
 
 
-def _write_json(path: str, data) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, default=float))
+def _write_json(path: str, data, force: bool) -> None:
+    from ..util.io import write_json
+
+    write_json(Path(path), data, force=force)
 
 
 def _console():
@@ -77,16 +82,14 @@ def _memory(args: argparse.Namespace) -> int:
     from ..report.capacity import memory_table
     from ..sim.shapes import get_model
 
-    try:
-        model, gpu = get_model(args.model), load_hardware().gpu(args.gpu)
-        reports = [memory_report(model, parse_plan(q), gpu, tp, args.context, args.gpu_memory_utilization)
-                   for q in _csv(args.quant, str, "--quant") for tp in _csv(args.tp, int, "--tp")]
-    except (KeyError, ValueError) as e:
-        raise SystemExit(f"error: {e.args[0] if e.args else e}") from None
+    refuse_existing(args.json, args.force)
+    model, gpu = get_model(args.model), load_hardware().gpu(args.gpu)
+    reports = [memory_report(model, parse_plan(q), gpu, tp, args.context, args.gpu_memory_utilization)
+               for q in _csv(args.quant, str, "--quant") for tp in _csv(args.tp, int, "--tp")]
     con = _console()
     con.print(memory_table(reports))
     if args.json:
-        _write_json(args.json, [r.to_dict() for r in reports])
+        _write_json(args.json, [r.to_dict() for r in reports], args.force)
     return 0
 
 
@@ -98,36 +101,35 @@ def _simulate(args: argparse.Namespace) -> int:
     from ..report.capacity import capacity_rich_table, plot_curves
     from ..sim.workload import Lengths, lengths_from_file
 
+    refuse_existing(args.json, args.force)
+    refuse_existing(args.plot, args.force)
     con = _console()
-    try:
-        if args.lengths_file:
-            vals = lengths_from_file(args.lengths_file)
-            prompt = Lengths("values", values=tuple(p for p, _ in vals))
-            output = Lengths("values", values=tuple(o for _, o in vals))
-        else:
-            prompt, output = Lengths.parse(args.prompt), Lengths.parse(args.output)
-        gpu = load_hardware().gpu(args.gpu)
-        base = EngineConfig.vllm_defaults(gpu, args.tp)
-        engine = EngineConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens or base.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs or base.max_num_seqs, block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp)
-        slo = SLO(ttft=args.ttft / 1e3, tpot=args.tpot / 1e3, percentile=args.percentile,
-                  attainment=args.goodput if args.goodput is not None else 0.99)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with con.status("simulating ..."):
-                table = capacity_table(args.model, args.gpu, _csv(args.quant, str, "--quant"), prompt, output, slo,
-                                       n_requests=args.requests, burstiness=args.burstiness, tp=args.tp,
-                                       engine=engine, seeds=tuple(_csv(args.seeds, int, "--seeds")),
-                                       form="goodput" if args.goodput is not None else "percentile")
-        for w in caught:
-            con.print(f"[yellow]warning:[/] {w.message}")
-    except (KeyError, ValueError) as e:
-        raise SystemExit(f"error: {e.args[0] if e.args else e}") from None
+    if args.lengths_file:
+        vals = lengths_from_file(args.lengths_file)
+        prompt = Lengths("values", values=tuple(p for p, _ in vals))
+        output = Lengths("values", values=tuple(o for _, o in vals))
+    else:
+        prompt, output = Lengths.parse(args.prompt), Lengths.parse(args.output)
+    gpu = load_hardware().gpu(args.gpu)
+    base = EngineConfig.vllm_defaults(gpu, args.tp)
+    engine = EngineConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens or base.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs or base.max_num_seqs, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp)
+    slo = SLO(ttft=args.ttft / 1e3, tpot=args.tpot / 1e3, percentile=args.percentile,
+              attainment=args.goodput if args.goodput is not None else 0.99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with con.status("simulating ..."):
+            table = capacity_table(args.model, args.gpu, _csv(args.quant, str, "--quant"), prompt, output, slo,
+                                   n_requests=args.requests, burstiness=args.burstiness, tp=args.tp,
+                                   engine=engine, seeds=tuple(_csv(args.seeds, int, "--seeds")),
+                                   form="goodput" if args.goodput is not None else "percentile")
+    for w in caught:
+        con.print(f"[yellow]warning:[/] {w.message}")
     con.print(capacity_rich_table(table))
     if args.json:
-        _write_json(args.json, table.to_dict())
+        _write_json(args.json, table.to_dict(), args.force)
     if args.plot:
         with con.status("sweeping request rates ..."):
             curves = latency_curves(table, prompt, output)

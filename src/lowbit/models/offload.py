@@ -98,7 +98,7 @@ def load_lazy(folder: Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
 
     Raises:
         FileNotFoundError: the folder has no safetensors checkpoint.
-        KeyError: a non-layer parameter is not in the checkpoint (named).
+        ValueError: a non-layer parameter is not in the checkpoint (named).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -115,7 +115,7 @@ def load_lazy(folder: Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     head_name = next((n for n, m in model.named_modules() if m is head), None)
     missing = [n for n in wanted if n not in files and not (tied and n == f"{head_name}.weight")]
     if missing:
-        raise KeyError(f"{folder}: the checkpoint lacks {missing[:3]} (names must equal the model's parameter names)")
+        raise ValueError(f"{folder}: the checkpoint lacks {missing[:3]} (names must equal the model's parameter names)")
     for name, t in read_tensors(files, [n for n in wanted if n in files]).items():
         _set_param(model, name, t.to(dtype))
     if tied:
@@ -222,7 +222,7 @@ class LayerStore:
             return read_tensors({n: self._path(i) for n in names}, names)
         missing = [n for n in names if n not in self._files]
         if missing:
-            raise KeyError(f"{self.source}: the checkpoint lacks {missing[:3]} "
+            raise ValueError(f"{self.source}: the checkpoint lacks {missing[:3]} "
                            "(names must equal the model's parameter names)")
         return read_tensors(self._files, names)
 

@@ -235,7 +235,7 @@ def get_scheme(name: str) -> Scheme:
     try:
         return PRESETS[name]
     except KeyError:
-        raise KeyError(f"unknown scheme {name!r}; presets are: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown scheme {name!r}; presets are: {', '.join(PRESETS)}") from None
 
 
 def _format(v, where: str) -> F.Format:
@@ -260,8 +260,8 @@ def scheme_from_dict(d: dict | str, where: str = "scheme") -> Scheme:
     if isinstance(d, str):
         try:
             return get_scheme(d)
-        except KeyError as e:
-            raise ValueError(f"{where}: {e.args[0]}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected a preset name or a mapping, got {type(d).__name__}")
     return from_mapping(Scheme, d, where, parsers={"format": _format, "granularity": _granularity},

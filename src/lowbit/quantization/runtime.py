@@ -79,7 +79,7 @@ def quantized_activations(model: nn.Module, plan: dict[str, ActQuant]) -> Iterat
     modules = dict(model.named_modules())
     missing = [n for n in plan if n not in modules]
     if missing:
-        raise KeyError(f"activation plan names modules the model does not have: {missing[:5]}")
+        raise ValueError(f"activation plan names modules the model does not have: {missing[:5]}")
     canonical: dict[tuple, ActQuant] = {}
     last = _LastInput()
     handles = []

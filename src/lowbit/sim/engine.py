@@ -1,6 +1,6 @@
 """vLLM V1's scheduler as a discrete-event simulation: one event per engine step.
 
-Each step (REFERENCE §4):
+Each step (as vLLM's V1 scheduler does it, ``vllm/v1/core/sched/scheduler.py``):
 
 1. running requests first, in admission order: a decode asks for 1 token, a partial
    prefill for the rest of its prompt; each gets ``min(need, budget left)``;
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .hardware import GPU
-from .memory import DEFAULT_RESERVED_GB
+from .memory import DEFAULT_RESERVED_GB, blocks_for
 from .metrics import SimResult
 from .perf import StepModel
 from .workload import Requests
@@ -124,198 +124,251 @@ def simulate(requests: Requests, step: StepModel, kv_tokens: int, engine: Engine
 
     Raises ``ValueError`` when a request can never fit in the KV cache.
     """
-    bs = engine.block_size
-    kv_blocks = kv_tokens // bs
-    arrival, prompt, output = requests.arrival, requests.prompt, requests.output
-    n = len(arrival)
-    if n == 0:
-        raise ValueError("simulate: no requests")
-    if np.any(output < 1) or np.any(prompt < 1):
-        raise ValueError("simulate: prompt and output lengths must be >= 1")
-    worst = int(np.max(-(-(prompt + output) // bs)))
-    if worst > kv_blocks:
-        raise ValueError(
-            f"a request of {int(np.max(prompt + output))} tokens needs {worst} KV blocks but the cache holds "
-            f"{kv_blocks} ({kv_tokens} tokens): lower the lengths, use a smaller plan or more GPUs"
-        )
-    order = np.argsort(arrival, kind="stable")
-    if np.any(order != np.arange(n)):
-        raise ValueError("simulate: requests must be sorted by arrival time")
-
-    known = prompt.astype(np.int64).copy()          # prompt + generated
-    computed = np.zeros(n, dtype=np.int64)          # tokens whose KV is computed
-    generated = np.zeros(n, dtype=np.int64)
-    blocks = np.zeros(n, dtype=np.int64)
-    first = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    last_emit = np.zeros(n)
-    preempts = np.zeros(n, dtype=np.int64)
-
-    waiting: deque[int] = deque()
-    running: list[int] = []
-    free = kv_blocks
-    now = 0.0
-    nxt = 0
-    done = 0
-    step_end: list[float] = []
-    step_tokens: list[int] = []
-    itl_chunks: list[np.ndarray] = []
-    max_tok, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
-    empty = np.zeros(0, dtype=np.int64)
-    if stop is not None:
-        ttft_t = stop.ttft if stop.ttft is not None else math.inf
-        tpot_t = stop.tpot if stop.tpot is not None else math.inf
-        bad = np.zeros(n, dtype=bool)      # goodput form: requests that missed any target
-        late_ttft = late_tpot = 0
-        k_ttft, k_tpot, k_bad = stop.limits(n, int(np.count_nonzero(output > 1)))
-        goodput = stop.percentile is None
-    stopped = False
-
-    def retire(fin: np.ndarray) -> bool:
-        """Requests ``fin`` finished at ``now``: record their finish time and, unless the
-        early-stop rule now says the SLO is lost (then returns ``True``, the run stops),
-        free their KV blocks and drop them from ``running``."""
-        nonlocal free, done, running, late_tpot
-        finish[fin] = now
-        if stop is not None:
-            late_tpot += _tpot_misses(fin, now, first, output, tpot_t, bad)
-            if late_ttft >= k_ttft or late_tpot >= k_tpot or (goodput and int(bad.sum()) >= k_bad):
-                return True
-        free += int(blocks[fin].sum())
-        blocks[fin] = 0
-        done += len(fin)
-        gone = set(fin.tolist())
-        running = [r for r in running if r not in gone]
-        return False
-
+    run = _Run(requests, step, kv_tokens, engine, stop)
     for _ in range(max_steps):
-        if done == n:
+        if run.done == run.n:
             break
-        while nxt < n and arrival[nxt] <= now:
-            waiting.append(nxt)
-            nxt += 1
-        if not running and not waiting:
-            now = float(arrival[nxt])
+        run.arrivals()
+        if not run.running and not run.waiting:
+            run.now = float(run.arrival[run.nxt])
             continue
-        if fast_forward and not waiting and running:
-            jumped = _fast_forward(running, nxt, arrival, now, computed, known, generated, output, blocks, free, bs, step)
-            if jumped is not None:
-                ids, k, step_ends = jumped
-                t0 = step_ends[0]
-                itl_chunks.append(np.concatenate([t0 - last_emit[ids], np.repeat(np.diff(step_ends), len(ids))]))
-                nb = -(-(computed[ids] + k) // bs) - blocks[ids]
-                free -= int(nb.sum())
-                blocks[ids] += nb
-                computed[ids] += k
-                known[ids] += k
-                generated[ids] += k
-                now = float(step_ends[-1])
-                last_emit[ids] = now
-                step_end.extend(step_ends.tolist())
-                step_tokens.extend([len(ids)] * k)
-                fin = ids[generated[ids] >= output[ids]]
-                if len(fin) and retire(fin):
-                    stopped = True
-                    break
+        if fast_forward and not run.waiting and run.running:
+            jumped = run.fast_forward()
+            if jumped is None:
+                pass
+            elif jumped:
+                break
+            else:
                 continue
-        budget = max_tok
-        preempted = False
-        ids, take = empty, empty
-        if running:
-            ids = np.fromiter(running, dtype=np.int64, count=len(running))
-            c = computed[ids]
-            need = known[ids] - c
-            take = np.minimum(need, np.maximum(budget - (np.cumsum(need) - need), 0))
-            nb = np.maximum(-(-(c + take) // bs) - blocks[ids], 0)
-            total = int(nb.sum())
-            if total > free:
-                # evict the newest k so the rest fit: their blocks come back, their needs go away
-                gain = np.cumsum((nb + blocks[ids])[::-1])
-                k = int(np.searchsorted(gain, total - free)) + 1
-                victims = ids[-k:]
-                free += int(blocks[victims].sum())
-                blocks[victims] = 0
-                computed[victims] = 0
-                preempts[victims] += 1
-                for r in victims[::-1].tolist():
-                    waiting.appendleft(r)
-                ids, take, nb = ids[:-k], take[:-k], nb[:-k]
-                del running[-k:]
-                preempted = True
-            free -= int(nb.sum())
-            blocks[ids] += nb
-            budget -= int(take.sum())
-        new_ids: list[int] = []
-        new_take: list[int] = []
+        ids, take, budget, preempted = run.schedule_running()          # steps 1 and 2
         if not preempted:
-            while waiting and budget > 0 and len(running) < max_seqs:
-                r = waiting[0]
-                t = min(int(known[r] - computed[r]), budget)
-                nb1 = -(-(int(computed[r]) + t) // bs) - int(blocks[r])
-                if nb1 > free:
-                    break
-                waiting.popleft()
-                running.append(r)
-                free -= nb1
-                blocks[r] += nb1
-                budget -= t
-                new_ids.append(r)
-                new_take.append(t)
-        if new_ids:
-            ids = np.concatenate([ids, np.asarray(new_ids, dtype=np.int64)])
-            take = np.concatenate([take, np.asarray(new_take, dtype=np.int64)])
+            ids, take = run.admit(ids, take, budget)                  # step 3
         if len(ids) == 0:
             if preempted:  # everything was evicted: the next step admits from the waiting queue
                 continue
             raise RuntimeError("scheduler stalled: nothing schedulable")
-        c = computed[ids]
-        dec = (take == 1) & (c > 0) & (known[ids] - c == 1)
+        if run.execute(ids, take):                                   # step 4
+            break
+    else:
+        raise RuntimeError(f"simulate: gave up after {max_steps} steps ({run.done}/{run.n} requests finished)")
+    return run.result()
+
+
+class _Run:
+    """The state of one simulation, indexed by request, and the four steps of the scheduler.
+
+    ``known``: prompt + generated tokens; ``computed``: tokens whose KV is computed;
+    ``blocks``: KV blocks held; ``free``: free KV blocks.
+    """
+
+    def __init__(self, requests: Requests, step: StepModel, kv_tokens: int, engine: EngineConfig,
+                 stop: StopRule | None) -> None:
+        self.bs = bs = engine.block_size
+        self.kv_blocks = kv_tokens // bs
+        self.arrival, self.prompt, self.output = requests.arrival, requests.prompt, requests.output
+        self.n = n = len(self.arrival)
+        if n == 0:
+            raise ValueError("simulate: no requests")
+        if np.any(self.output < 1) or np.any(self.prompt < 1):
+            raise ValueError("simulate: prompt and output lengths must be >= 1")
+        worst = int(np.max(blocks_for(self.prompt + self.output, bs)))
+        if worst > self.kv_blocks:
+            raise ValueError(
+                f"a request of {int(np.max(self.prompt + self.output))} tokens needs {worst} KV blocks but the cache "
+                f"holds {self.kv_blocks} ({kv_tokens} tokens): lower the lengths, use a smaller plan or more GPUs"
+            )
+        if np.any(np.argsort(self.arrival, kind="stable") != np.arange(n)):
+            raise ValueError("simulate: requests must be sorted by arrival time")
+        self.step, self.engine = step, engine
+        self.known = self.prompt.astype(np.int64).copy()
+        self.computed = np.zeros(n, dtype=np.int64)
+        self.generated = np.zeros(n, dtype=np.int64)
+        self.blocks = np.zeros(n, dtype=np.int64)
+        self.first = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.last_emit = np.zeros(n)
+        self.preempts = np.zeros(n, dtype=np.int64)
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []
+        self.free = self.kv_blocks
+        self.now = 0.0
+        self.nxt = 0
+        self.done = 0
+        self.step_end: list[float] = []
+        self.step_tokens: list[int] = []
+        self.itl_chunks: list[np.ndarray] = []
+        self.stopped = False
+        self.slo = _SLOWatch(stop, n, int(np.count_nonzero(self.output > 1))) if stop is not None else None
+
+    def arrivals(self) -> None:
+        while self.nxt < self.n and self.arrival[self.nxt] <= self.now:
+            self.waiting.append(self.nxt)
+            self.nxt += 1
+
+    def retire(self, fin: np.ndarray) -> bool:
+        """Requests ``fin`` finished at ``now``: record their finish time and, unless the
+        early-stop rule now says the SLO is lost (then returns ``True``, the run stops),
+        free their KV blocks and drop them from ``running``."""
+        self.finish[fin] = self.now
+        if self.slo is not None and self.slo.finished(fin, self.now, self.first, self.output):
+            self.stopped = True
+            return True
+        self.free += int(self.blocks[fin].sum())
+        self.blocks[fin] = 0
+        self.done += len(fin)
+        gone = set(fin.tolist())
+        self.running = [r for r in self.running if r not in gone]
+        return False
+
+    def fast_forward(self) -> bool | None:
+        """A decode-only stretch in one go: ``None`` if none applies, else whether the run stops."""
+        jumped = _fast_forward(self.running, self.nxt, self.arrival, self.now, self.computed, self.known,
+                               self.generated, self.output, self.blocks, self.free, self.bs, self.step)
+        if jumped is None:
+            return None
+        ids, k, step_ends = jumped
+        self.itl_chunks.append(np.concatenate([step_ends[0] - self.last_emit[ids],
+                                               np.repeat(np.diff(step_ends), len(ids))]))
+        nb = blocks_for(self.computed[ids] + k, self.bs) - self.blocks[ids]
+        self.free -= int(nb.sum())
+        self.blocks[ids] += nb
+        self.computed[ids] += k
+        self.known[ids] += k
+        self.generated[ids] += k
+        self.now = float(step_ends[-1])
+        self.last_emit[ids] = self.now
+        self.step_end.extend(step_ends.tolist())
+        self.step_tokens.extend([len(ids)] * k)
+        fin = ids[self.generated[ids] >= self.output[ids]]
+        return bool(len(fin)) and self.retire(fin)
+
+    def schedule_running(self) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        """Steps 1 and 2: running requests first, each ``min(need, budget left)`` tokens, with KV
+        blocks for them; when blocks run out, the newest are preempted (recompute).  Returns
+        the scheduled ids and tokens, the budget left and whether anything was preempted."""
+        budget = self.engine.max_num_batched_tokens
+        empty = np.zeros(0, dtype=np.int64)
+        if not self.running:
+            return empty, empty, budget, False
+        ids = np.fromiter(self.running, dtype=np.int64, count=len(self.running))
+        c = self.computed[ids]
+        need = self.known[ids] - c
+        take = np.minimum(need, np.maximum(budget - (np.cumsum(need) - need), 0))
+        nb = np.maximum(blocks_for(c + take, self.bs) - self.blocks[ids], 0)
+        total = int(nb.sum())
+        preempted = False
+        if total > self.free:
+            # evict the newest k so the rest fit: their blocks come back, their needs go away
+            gain = np.cumsum((nb + self.blocks[ids])[::-1])
+            k = int(np.searchsorted(gain, total - self.free)) + 1
+            victims = ids[-k:]
+            self.free += int(self.blocks[victims].sum())
+            self.blocks[victims] = 0
+            self.computed[victims] = 0
+            self.preempts[victims] += 1
+            for r in victims[::-1].tolist():
+                self.waiting.appendleft(r)
+            ids, take, nb = ids[:-k], take[:-k], nb[:-k]
+            del self.running[-k:]
+            preempted = True
+        self.free -= int(nb.sum())
+        self.blocks[ids] += nb
+        return ids, take, budget - int(take.sum()), preempted
+
+    def admit(self, ids: np.ndarray, take: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """Step 3: waiting requests in order while budget, KV blocks and ``max_num_seqs`` allow
+        (a prompt longer than the budget is chunked)."""
+        new_ids: list[int] = []
+        new_take: list[int] = []
+        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
+            r = self.waiting[0]
+            t = min(int(self.known[r] - self.computed[r]), budget)
+            nb1 = blocks_for(int(self.computed[r]) + t, self.bs) - int(self.blocks[r])
+            if nb1 > self.free:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            self.free -= nb1
+            self.blocks[r] += nb1
+            budget -= t
+            new_ids.append(r)
+            new_take.append(t)
+        if new_ids:
+            ids = np.concatenate([ids, np.asarray(new_ids, dtype=np.int64)])
+            take = np.concatenate([take, np.asarray(new_take, dtype=np.int64)])
+        return ids, take
+
+    def execute(self, ids: np.ndarray, take: np.ndarray) -> bool:
+        """Step 4: the step's time; every request whose computed tokens reach its known tokens
+        emits one.  Returns whether the run stops (the SLO is lost)."""
+        c = self.computed[ids]
+        dec = (take == 1) & (c > 0) & (self.known[ids] - c == 1)
         pre = (take > 0) & ~dec
         tp_, cp = take[pre], c[pre]
-        n_dec = int(dec.sum())
         newc = c + take
-        emit = newc == known[ids]
-        dt = step.step_time(
-            int(tp_.sum()), n_dec, float((c[dec] + 1).sum()),
+        emit = newc == self.known[ids]
+        self.now += self.step.step_time(
+            int(tp_.sum()), int(dec.sum()), float((c[dec] + 1).sum()),
             float((tp_ * (cp + (tp_ + 1) / 2)).sum()), float((cp + tp_).sum()), int(emit.sum()),
         )
-        now += dt
-        step_end.append(now)
-        step_tokens.append(int(take.sum()))
-        computed[ids] = newc
+        now = self.now
+        self.step_end.append(now)
+        self.step_tokens.append(int(take.sum()))
+        self.computed[ids] = newc
         em = ids[emit]
-        if len(em):
-            generated[em] += 1
-            known[em] += 1
-            g = generated[em]
-            later = em[g > 1]
-            if len(later):
-                itl_chunks.append(now - last_emit[later])
-            firsts = em[g == 1]
-            first[firsts] = now
-            if stop is not None and len(firsts):
-                miss = firsts[now - arrival[firsts] > ttft_t]
-                if len(miss):
-                    late_ttft += len(miss)
-                    bad[miss] = True
-                    if late_ttft >= k_ttft or (goodput and int(bad.sum()) >= k_bad):
-                        stopped = True
-                        break
-            last_emit[em] = now
-            fin = em[g >= output[em]]
-            if len(fin) and retire(fin):
-                stopped = True
-                break
-    else:
-        raise RuntimeError(f"simulate: gave up after {max_steps} steps ({done}/{n} requests finished)")
+        if not len(em):
+            return False
+        self.generated[em] += 1
+        self.known[em] += 1
+        g = self.generated[em]
+        later = em[g > 1]
+        if len(later):
+            self.itl_chunks.append(now - self.last_emit[later])
+        firsts = em[g == 1]
+        self.first[firsts] = now
+        if self.slo is not None and len(firsts) and self.slo.first_tokens(firsts, now, self.arrival):
+            self.stopped = True
+            return True
+        self.last_emit[em] = now
+        fin = em[g >= self.output[em]]
+        return bool(len(fin)) and self.retire(fin)
 
-    return SimResult(
-        arrival=arrival, first_token=first, finish=finish, prompt=prompt, output=output,
-        preemptions=preempts,
-        itl=np.concatenate(itl_chunks) if itl_chunks else np.zeros(0),
-        step_end=np.asarray(step_end), step_tokens=np.asarray(step_tokens, dtype=np.int64),
-        stopped_early=stopped,
-    )
+    def result(self) -> SimResult:
+        return SimResult(
+            arrival=self.arrival, first_token=self.first, finish=self.finish, prompt=self.prompt, output=self.output,
+            preemptions=self.preempts,
+            itl=np.concatenate(self.itl_chunks) if self.itl_chunks else np.zeros(0),
+            step_end=np.asarray(self.step_end), step_tokens=np.asarray(self.step_tokens, dtype=np.int64),
+            stopped_early=self.stopped,
+        )
+
+
+class _SLOWatch:
+    """Counts TTFT and TPOT misses as they happen, for :class:`StopRule`'s early stop."""
+
+    def __init__(self, stop: StopRule, n: int, n_tpot: int) -> None:
+        self.ttft = stop.ttft if stop.ttft is not None else math.inf
+        self.tpot = stop.tpot if stop.tpot is not None else math.inf
+        self.bad = np.zeros(n, dtype=bool)      # goodput form: requests that missed any target
+        self.late_ttft = self.late_tpot = 0
+        self.k_ttft, self.k_tpot, self.k_bad = stop.limits(n, n_tpot)
+        self.goodput = stop.percentile is None
+
+    def _lost(self) -> bool:
+        return self.late_ttft >= self.k_ttft or self.late_tpot >= self.k_tpot or (
+            self.goodput and int(self.bad.sum()) >= self.k_bad)
+
+    def finished(self, fin, now, first, output) -> bool:
+        self.late_tpot += _tpot_misses(fin, now, first, output, self.tpot, self.bad)
+        return self._lost()
+
+    def first_tokens(self, firsts, now, arrival) -> bool:
+        miss = firsts[now - arrival[firsts] > self.ttft]
+        if not len(miss):
+            return False
+        self.late_ttft += len(miss)
+        self.bad[miss] = True
+        return self.late_ttft >= self.k_ttft or (self.goodput and int(self.bad.sum()) >= self.k_bad)
 
 
 def _tpot_misses(fin, now, first, output, target, bad) -> int:

@@ -136,7 +136,7 @@ class HardwareTable:
         try:
             return self.gpus[key.lower()]
         except KeyError:
-            raise KeyError(f"unknown GPU {key!r}; known: {', '.join(self.gpus)}") from None
+            raise ValueError(f"unknown GPU {key!r}; known: {', '.join(self.gpus)}") from None
 
 
 def _positive(where: str, v) -> None:

@@ -133,5 +133,6 @@ def memory_report(
     )
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return math.ceil(tokens / block_size)
+def blocks_for(tokens, block_size: int):
+    """KV blocks that hold ``tokens`` (an int or an integer array): ``ceil(tokens / block_size)``."""
+    return -(-tokens // block_size)

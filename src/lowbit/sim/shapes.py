@@ -149,7 +149,7 @@ def get_model(name: str) -> ModelShape:
         p = p / "config.json"
     if p.is_file():
         return shape_from_config(json.loads(p.read_text()), name=p.parent.name or str(p))
-    raise KeyError(f"unknown model {name!r}: not a built-in ({', '.join(MODELS)}) nor a config.json path")
+    raise ValueError(f"unknown model {name!r}: not a built-in ({', '.join(MODELS)}) nor a config.json path")
 
 
 def _req(cfg: dict, key: str, name: str):

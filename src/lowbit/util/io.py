@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_write_text", "atomic_dir"]
+__all__ = ["atomic_write_text", "atomic_dir", "write_json", "refuse_existing"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -24,6 +24,31 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def refuse_existing(path: Path | str | None, force: bool) -> None:
+    """Raise ``FileExistsError`` if ``path`` exists and ``force`` is not set (checked before
+    any work, so that a long run never ends in a refusal)."""
+    if path is not None and Path(path).exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force to overwrite it")
+
+
+def write_json(path: Path, data, *, force: bool = False) -> Path:
+    """``data`` as indented JSON at ``path``, atomically; an existing file only with ``force``."""
+    import json
+
+    refuse_existing(path, force)
+    atomic_write_text(Path(path), json.dumps(data, indent=2, default=_plain) + "\n")
+    return Path(path)
+
+
+def _plain(v):
+    """JSON for values the standard encoder refuses: numpy scalars and arrays, paths."""
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    if isinstance(v, Path):
+        return str(v)
+    return float(v)
 
 
 @contextmanager
