@@ -2,6 +2,7 @@
 its decompressors read lowbit's files bit for bit, and transformers loads the folders."""
 
 import dataclasses
+import copy
 import json
 
 import pytest
@@ -167,6 +168,7 @@ def test_transformers_loads_weights_exactly(exported):
     mixed = len(_qconfig(out)["config_groups"]) > 1
     loaded = _load(out, not mixed)
     if _fp4(state):
+        model = copy.deepcopy(model)  # the fixture's model is shared by the module's tests
         mods = dict(model.named_modules())
         for n, qt in state.weights.items():
             mods[n].weight.copy_(dequantize(qt, torch.bfloat16).float())
@@ -239,9 +241,18 @@ def test_folder_contents_and_sizes(tmp_path):
     files = {p.name for p in (tmp_path / "o").iterdir()}
     assert {"model.safetensors", "config.json", "README.md", "generation_config.json"} <= files
     assert res.sizes.quantized_bytes == res.sizes.predicted_bytes  # bf16 scales + packed 4-bit zeros
-    assert res.sizes.file_bytes >= res.sizes.quantized_bytes + res.sizes.other_bytes
     assert "lowbit" in (tmp_path / "o" / "README.md").read_text()
     tensors = _tensors(tmp_path / "o")
+    # sizes recounted from the file itself: the quantized Linears' tensors, and everything else
+    # (the float parameters in bf16, tied ones once, plus one int64[2] weight_shape per Linear)
+    quantized = set(state.weight_schemes)
+    q_leaves = {"weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale"}
+    nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    in_q = sum(b for n, b in nbytes.items() if n.rpartition(".")[0] in quantized and n.rpartition(".")[2] in q_leaves)
+    assert res.sizes.quantized_bytes == in_q
+    floats = sum(p.numel() for n, p in model.named_parameters() if n.rpartition(".")[0] not in quantized)
+    assert res.sizes.other_bytes == 2 * floats + 16 * len(quantized) == sum(nbytes.values()) - in_q
+    assert sum(nbytes.values()) < res.sizes.file_bytes < sum(nbytes.values()) + 2**20  # + the safetensors header
     assert tensors["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.int32
     assert tensors["model.layers.0.mlp.up_proj.weight_zero_point"].shape == (256 // 8, 1)
     assert tensors["model.layers.0.mlp.up_proj.weight_scale"].dtype == torch.bfloat16

@@ -15,11 +15,15 @@ __all__ = ["formats_table", "grids_table", "bit_layouts_table", "errors_table", 
 
 
 def num(v: float, digits: int = 4) -> str:
-    """Compact number: ``—`` for NaN, scientific for very small or large magnitudes."""
+    """Compact number: ``—`` for NaN; the exact value when it is short (57344, 0.015625);
+    otherwise ``digits`` significant digits, scientific for very small or large magnitudes."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
     if isinstance(v, float) and math.isinf(v):
         return "inf"
+    exact = repr(float(v)).removesuffix(".0")
+    if "e" not in exact and len(exact.lstrip("-").replace(".", "").lstrip("0")) <= max(digits, 6):
+        return exact
     a = abs(v)
     if a != 0 and (a < 1e-3 or a >= 1e6):
         return f"{v:.{max(digits - 2, 1)}e}"
