@@ -5,14 +5,14 @@ tokens, seed 0), same evaluation (lowbit's evaluator, the same cached reference,
 64 wiki test windows of 512 tokens).  For each configuration:
 
 * lowbit: a worker process (this file, ``--_worker``) loads the model — for calibration
-  recipes lazily, one decoder layer in memory at a time (``lowbit.offload``), fully
+  recipes lazily, one decoder layer in memory at a time (``lowbit.models.offload``), fully
   loaded again at the end — quantizes it with the recipe (``pipeline.quantize``; for
   plain-rounding recipes with calibrated scales the calibration pass counts as part of
   quantization), reads the wall time of that step and its peak RSS (VmHWM), then
   evaluates the model against the reference this process cached and prints the result.
 * llm-compressor: ``benchmarks/_llmc_worker.py`` runs in llm-compressor's own venv
   (``/tmp/llmc-venv`` by default, ``--llmc-python``), times ``oneshot`` and saves a
-  compressed-tensors checkpoint; this process loads it with ``lowbit.loading.load_model``
+  compressed-tensors checkpoint; this process loads it with ``lowbit.models.loading.load_model``
   (weights decompressed by compressed-tensors) and then applies the *same* run-time
   activation / KV quantization lowbit uses for that configuration, because ``load_model``
   applies weights only.  NVFP4 W4A4 takes llm-compressor's stored ``input_global_scale``

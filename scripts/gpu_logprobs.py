@@ -5,7 +5,7 @@ an exported folder, and their comparison with vLLM's.
     python scripts/gpu_logprobs.py compare LOWBIT.json VLLM.json [--tol 0.1]
 
 lowbit's side reads every weight back through compressed-tensors' decompressors
-(``lowbit.export.checkpoint.read_into``) and runs the model in fp32 without activation
+(``lowbit.models.loading.read_into``) and runs the model in fp32 without activation
 quantization, so W8A8/W4A4 folders are expected to differ more than weight-only ones.
 """
 
@@ -18,7 +18,7 @@ import torch
 def lowbit_logprobs(folder: str, prompts_file: str, out: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from lowbit.checkpoint.write import read_into
+    from lowbit.models.loading import read_into
 
     cfg = AutoConfig.from_pretrained(folder)
     if hasattr(cfg, "quantization_config"):

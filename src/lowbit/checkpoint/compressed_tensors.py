@@ -5,7 +5,7 @@ Every convention conversion of lowbit lives here:
 * lowbit's NVFP4 ``global_scale`` is a multiplier ``g``; compressed-tensors stores the
   divisor, so ``weight_global_scale = input_global_scale = _global_divisor(g)`` (the
   exact fp32 number lowbit divides by), and CT's ``scale / global`` reproduces lowbit.
-* INT4/INT8 codes are written offset binary in int32 words (``lowbit.pack``); lowbit's
+* INT4/INT8 codes are written offset binary in int32 words (``lowbit.numerics.pack``); lowbit's
   asymmetric formats are unsigned (``uint4`` codes and zero points in [0, 15]) while
   compressed-tensors' are signed, so both are shifted by ``2**(bits-1)`` — the
   difference ``code − zero`` is unchanged.

@@ -132,7 +132,7 @@ class Workbench:
     cache: Path
     kl_topk: int = DEFAULT_TOPK
     progress: bool = True
-    workers: int | None = None  # processes sharing the windows; None: lowbit.parallel.default_workers()
+    workers: int | None = None  # processes sharing the windows; None: lowbit.util.parallel.default_workers()
     stage_seconds: dict[str, float] = field(default_factory=dict)
     _reference: Reference | None = None
     _stats: CalibStats | None = None

@@ -102,7 +102,7 @@ def reference_predictions(
     workers: int | None = None,
 ) -> Reference:
     """Run the reference over ``windows`` and keep what evaluation needs (``workers``: see
-    :func:`lowbit.parallel.map_shards`)."""
+    :func:`lowbit.util.parallel.map_shards`)."""
 
     def shard(idx, tick):
         argmax, nll, ids_, lps = [], [], [], []
@@ -176,7 +176,7 @@ def evaluate(
         seed: seed of the bootstrap.
         progress: show a progress bar.
         workers: processes that share the windows (default
-            :func:`lowbit.parallel.default_workers`; 1 runs here).
+            :func:`lowbit.util.parallel.default_workers`; 1 runs here).
     """
     n = len(windows)
     if reference is not None and reference.nll.shape[0] != n:

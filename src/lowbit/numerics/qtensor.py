@@ -1,7 +1,7 @@
 """Quantized tensors: the one numeric path every other part of lowbit uses.
 
 ``quantize(x, scheme)`` returns a :class:`QTensor` (codes plus scales), and
-``dequantize`` turns it back into floats with the convention of :mod:`lowbit.scheme`::
+``dequantize`` turns it back into floats with the convention of :mod:`lowbit.numerics.scheme`::
 
     x ≈ (decode(code) − zero) · scale · global_scale
 

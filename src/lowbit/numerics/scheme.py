@@ -9,7 +9,7 @@ The one scale convention of lowbit, used everywhere::
 format's value range; ``global_scale`` (one fp32 number per tensor) exists only for
 two-level schemes such as NVFP4.  Other tools' conventions (compressed-tensors'
 divisor-style global scale, offset-binary int4, E8M0 scales as biased exponents) are
-converted in ``lowbit.export`` and nowhere else.
+converted in ``lowbit.checkpoint`` and nowhere else.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Scheme:
     """How one tensor is quantized.
 
     Attributes:
-        format: the element format (see :mod:`lowbit.formats`).
+        format: the element format (see :mod:`lowbit.numerics.formats`).
         granularity: which elements share a scale.
         symmetric: ``False`` adds an integer zero point per block (integer formats only).
         scale_dtype: how scales are stored: ``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3``

@@ -99,7 +99,7 @@ def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = T
                   workers: int | None = None) -> CalibStats:
     """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
     (every Linear but ``lm_head``, whose input a static scheme then cannot use).
-    ``workers``: processes that share the windows (:func:`lowbit.parallel.map_shards`);
+    ``workers``: processes that share the windows (:func:`lowbit.util.parallel.map_shards`);
     their maxima are merged."""
     # the decoder alone: statistics need no logits, and lm_head (never quantized by
     # default) is a fifth of a small model's work

@@ -7,7 +7,7 @@
    a. SmoothQuant / AWQ only: run the layer as it is on its inputs, recording each
       Linear input's absmax (and AWQ's token sample), and balance scales into the layer
       (function-preserving);
-   b. one pass of the layer over all its inputs, in lockstep (:mod:`lowbit.lockstep`):
+   b. one pass of the layer over all its inputs, in lockstep (:mod:`lowbit.util.lockstep`):
       at the first Linear of each group that reads one input, every chunk adds that
       input to the group's statistics — channel absmax, mean x², the Hessian ``XᵀX``
       (GPTQ), a token sample (AWQ clipping) — then the group's weights are quantized
@@ -166,16 +166,16 @@ def quantize_layerwise(
         keep_qtensors: keep the QTensor of each quantized weight (GPTQ, min-max, MSE or
             AWQ-clipped weights; outlier-channel weights have none).
         progress: show a progress bar over layers.
-        store: for a model loaded with :func:`lowbit.offload.load_lazy`: each decoder
+        store: for a model loaded with :func:`lowbit.models.offload.load_lazy`: each decoder
             layer is loaded from it when the pipeline reaches the layer and released
             (written back to disk, freed) when the layer is done, so that one decoder
             layer is in memory at a time.  The model is left with its layers released:
             ``store.materialize()`` brings them back.
         on_layer: ``on_layer(i, state)`` when decoder layer ``i`` is done, before it is
-            released (see :func:`lowbit.pipeline.quantize`).
+            released (see :func:`lowbit.quantization.pipeline.quantize`).
 
     Returns:
-        A :class:`~lowbit.runtime.QuantState`.
+        A :class:`~lowbit.quantization.runtime.QuantState`.
     """
     algo = recipe.algorithms
     arch = arch_of(model)
@@ -205,7 +205,7 @@ def quantize_layerwise(
                       kv_cache_kwarg=cache_kwarg(model) if recipe.kv_cache is not None else None,
                       keep_qtensors=keep_qtensors)
     method = ctx.method.label
-    with heap.map_large_allocations():  # see lowbit.heap
+    with heap.map_large_allocations():  # see lowbit.util.heap
         for i, stage in staged_progress(range(len(layers)), f"quantizing {recipe.name} layer by layer",
                                         enabled=progress):
             layer_pass = LayerPass(ctx, lambda g, stage=stage: stage(f"{method} {g.rsplit('.', 2)[-2]}.{g.rsplit('.', 1)[-1]}"))

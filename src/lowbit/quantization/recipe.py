@@ -14,7 +14,7 @@ A recipe is data.  In YAML::
       keys: true
       values: true
 
-Schemes are preset names (``lowbit.scheme.PRESETS``) or mappings with the keys of
+Schemes are preset names (``lowbit.numerics.scheme.PRESETS``) or mappings with the keys of
 ``Scheme.to_dict()``.  Unknown keys are errors that name their path
 (``rules[1].weights.bitz``).  Targets are shell-style globs over module names
 (``model.layers.3.self_attn.q_proj``); only ``nn.Linear`` modules are quantized.

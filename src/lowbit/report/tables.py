@@ -101,7 +101,7 @@ def _pm(v: float | None, ci: tuple[float, float] | None, fmt: str) -> str:
 
 
 def comparison_table(c) -> Table:
-    """The rows of a :class:`lowbit.compare.Comparison`."""
+    """The rows of a :class:`lowbit.evaluation.compare.Comparison`."""
     t = Table(
         title=f"{c.model} on {c.corpus} ({c.split} split): {c.windows} windows × {c.seq_len} tokens, "
         f"{c.tokens:,} predicted tokens, seed {c.seed}; ± is a 95% bootstrap half-width",

@@ -1,7 +1,7 @@
 """What a format buys a service: low-load latency and max rate under an SLO, per plan.
 
 These are the library functions behind ``lowbit simulate``; they return data (dataclasses
-with ``to_dict()``), rendering lives in :mod:`lowbit.sim.report`.
+with ``to_dict()``), rendering lives in :mod:`lowbit.report.capacity`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What fits: weight bytes, KV bytes per token, KV capacity, and the decode-speed bound.
 
-Weight bytes come from :func:`lowbit.scheme.bits_per_element` at each linear's real
+Weight bytes come from :func:`lowbit.numerics.scheme.bits_per_element` at each linear's real
 shape (through :meth:`Plan.weight_bits`).  With tensor parallelism ``tp`` the linears and
 KV heads are split over ``tp`` GPUs; embeddings are split too (vocab-parallel).
 """

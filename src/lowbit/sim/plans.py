@@ -1,7 +1,7 @@
 """Quantization plans for capacity planning, as data.
 
 A plan says which lowbit scheme the decoder linears' weights use (sizes come from
-:func:`lowbit.scheme.bits_per_element` at each linear's real shape), which scheme their
+:func:`lowbit.numerics.scheme.bits_per_element` at each linear's real shape), which scheme their
 inputs use, which math lane the matmuls run on, and the KV-cache element width.
 lm_head, embeddings and MoE routers stay BF16 (vLLM cannot load a quantized lm_head).
 """

@@ -1,6 +1,6 @@
 """Keeping the process's resident memory near what it actually uses (glibc's malloc).
 
-In the lockstep pass (:mod:`lowbit.layerwise`) every calibration chunk is suspended at
+In the lockstep pass (:mod:`lowbit.quantization.layerwise`) every calibration chunk is suspended at
 each meeting point holding its activations, so chunk-lifetime tensors and each chunk's
 short-lived temporaries interleave on the heap, and the freed holes between them stay
 resident: on SmolLM2 the peak RSS ran ~800 MiB above the live tensors.  Two glibc

@@ -1,7 +1,7 @@
 """Calibration algorithms as pure functions over tensors and statistics.
 
 Each function opens with the paper, section and equation it implements.  None of them
-touches a model: :mod:`lowbit.pipeline` gathers the statistics and applies the results.
+touches a model: :mod:`lowbit.quantization.pipeline` gathers the statistics and applies the results.
 """
 
 from .awq import awq_clip, awq_scales

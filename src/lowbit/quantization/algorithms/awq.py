@@ -59,7 +59,7 @@ def awq_scales(
 
     Returns:
         ``(s, α)``: the ``(in,)`` float32 scales to fold with
-        :func:`lowbit.algorithms.smoothquant.smooth` (``X → X/s``, ``W_k → W_k s``), and
+        :func:`lowbit.quantization.algorithms.smoothquant.smooth` (``X → X/s``, ``W_k → W_k s``), and
         the chosen α.  Cost: ``grid + 1`` fake-quantizations and forward passes.
     """
     if grid < 1:
@@ -112,13 +112,13 @@ def awq_clip(
         x: ``(tokens, in)`` inputs of the linear (after any AWQ scaling).
         w: ``(out, in)`` weight (after any AWQ scaling).
         scheme: weight scheme with channel, group, block or tensor granularity.
-        grid, max_shrink: the ratios tried (:func:`lowbit.algorithms.rtn.clip_ratios`).
+        grid, max_shrink: the ratios tried (:func:`lowbit.quantization.algorithms.rtn.clip_ratios`).
         n_tokens: tokens used (drawn with ``seed``); the cost is
             ``len(ratios) · n_tokens · in · out`` multiply-adds.
         global_scale: for NVFP4, the tensor's global scale (default from ``w``).
 
     Returns:
-        :class:`QParams` for ``w``, for :func:`lowbit.qtensor.quantize` or GPTQ.
+        :class:`QParams` for ``w``, for :func:`lowbit.numerics.qtensor.quantize` or GPTQ.
     """
     xf = _check_inputs(x, [w], "awq_clip")
     wf = w.detach().to(torch.float32)

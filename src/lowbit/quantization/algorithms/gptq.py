@@ -71,7 +71,7 @@ def gptq(
             groups are contiguous in *storage* order, so with ``act_order`` the result
             is still an ordinary group-quantized tensor (no ``g_idx``).
         qparams_fn: how a column group's scales are chosen (see :data:`QParamsFn`);
-            default min-max (:func:`lowbit.qtensor.compute_qparams`).
+            default min-max (:func:`lowbit.numerics.qtensor.compute_qparams`).
         global_scale: for a scheme with a global scale, use this one (e.g. shared by
             fused siblings) instead of computing it from ``w``.
 
@@ -251,7 +251,7 @@ def _round_column(
     w: torch.Tensor, s: torch.Tensor, safe: torch.Tensor, z: torch.Tensor | None, fmt
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Element values ``q`` and dequantized ``(q − z)·s`` of one column, with exactly the
-    arithmetic of :func:`lowbit.qtensor.fake_quantize` (so that ``H = I`` gives RTN bit
+    arithmetic of :func:`lowbit.numerics.qtensor.fake_quantize` (so that ``H = I`` gives RTN bit
     for bit).  A zero scale (``safe = inf``) sends the column to zero."""
     x = w / safe
     if z is not None:

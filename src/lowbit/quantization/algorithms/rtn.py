@@ -1,6 +1,6 @@
 """Round-to-nearest observers: how the scales of plain rounding are chosen.
 
-Min-max is :func:`lowbit.qtensor.compute_qparams`.  This module adds the MSE observer:
+Min-max is :func:`lowbit.numerics.qtensor.compute_qparams`.  This module adds the MSE observer:
 a search over clipping ratios per block, optionally weighted by how much each input
 channel matters (activation-weighted, as llama.cpp's importance matrix and
 llm-compressor's weighted MSE observer).
