@@ -110,22 +110,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """MODEL as loaded (or quantized with --recipe) against --reference (default: MODEL)."""
-    from ..report import tables as render
-    from ..models.loading import load_model
+    from ..evaluation.compare import evaluate_against_reference
     from ..quantization.recipe import load_recipe
+    from ..report import tables as render
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     bench = _bench(args, args.reference or args.model, calib_windows=args.calib_windows if recipe else 0)
-    result = bench.describe()
-    result.rows.append(bench.reference_row())
-    model = None
-    if args.reference:
-        model, tok, info = load_model(args.model, cache=args.cache)
-        if bench.tokenizer.get_vocab() != tok.get_vocab():
-            raise ValueError(f"{args.model} and {args.reference} use different tokenizers; KL needs one vocabulary")
-    if args.reference or recipe:
-        result.rows.append(bench.run(recipe, model=model, name=args.model if recipe is None else None))
-    result.stage_seconds = dict(bench.stage_seconds)
+    result = evaluate_against_reference(bench, args.model if args.reference else None, recipe)
     render.print_tables(render.comparison_table(result), render.stages_table(result.stage_seconds))
     if result.reference_note:
         print(f"note: {result.reference_note}")

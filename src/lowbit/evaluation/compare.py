@@ -21,6 +21,7 @@ from torch import nn
 
 from ..data import windows as data
 from ..models.assets import cache_dir
+from ..util.io import write_json
 from ..models.loading import ModelInfo, load_model
 from ..quantization.calibrate import CalibStats, collect_stats
 from .metrics import DEFAULT_TOPK, Eval, Reference, evaluate, reference_predictions, summarize_reference
@@ -269,11 +270,27 @@ def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], Non
     return result
 
 
-def save_json(result, path: Path, force: bool = False) -> Path:
-    from ..util.io import atomic_write_text
+def evaluate_against_reference(bench: Workbench, model: str | None = None, recipe: Recipe | None = None) -> Comparison:
+    """``lowbit eval``: the bench's reference, and ``model`` (a packaged name, folder, GGUF or
+    hub id, loaded as it is; default the bench's own model) quantized with ``recipe`` if
+    given, evaluated against it.
 
-    path = Path(path)
-    if path.exists() and not force:
-        raise FileExistsError(f"{path} exists; pass --force to overwrite it")
-    atomic_write_text(path, json.dumps(result.to_dict(), indent=2, default=str) + "\n")
-    return path
+    Raises:
+        ValueError: ``model`` uses another tokenizer than the reference (KL needs one vocabulary).
+    """
+    result = bench.describe()
+    result.rows.append(bench.reference_row())
+    loaded = None
+    if model is not None:
+        loaded, tok, _ = load_model(model, cache=bench.cache)
+        if bench.tokenizer.get_vocab() != tok.get_vocab():
+            raise ValueError(f"{model} and {bench.info.name} use different tokenizers; KL needs one vocabulary")
+    if model is not None or recipe is not None:
+        result.rows.append(bench.run(recipe, model=loaded, name=model if recipe is None else None))
+    result.stage_seconds = dict(bench.stage_seconds)
+    return result
+
+
+def save_json(result, path: Path, force: bool = False) -> Path:
+    """``result.to_dict()`` as JSON at ``path`` (atomically; an existing file only with ``force``)."""
+    return write_json(Path(path), result.to_dict(), force=force)

@@ -43,12 +43,13 @@ def write_json(path: Path, data, *, force: bool = False) -> Path:
 
 
 def _plain(v):
-    """JSON for values the standard encoder refuses: numpy scalars and arrays, paths."""
+    """JSON for values the standard encoder refuses: numpy scalars and arrays as numbers, the rest (paths, dtypes) as text."""
     if hasattr(v, "tolist"):
         return v.tolist()
-    if isinstance(v, Path):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
         return str(v)
-    return float(v)
 
 
 @contextmanager
