@@ -21,7 +21,6 @@ from torch import nn
 
 from .._version import __version__
 from ..util.io import atomic_dir
-from ..models.loading import read_into
 from ..models.arch import arch_of
 from ..quantization.targets import sibling_groups
 from ..quantization.runtime import QuantState

@@ -9,7 +9,6 @@ included, is a bug and shows its traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field

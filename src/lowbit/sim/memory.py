@@ -7,7 +7,6 @@ KV heads are split over ``tp`` GPUs; embeddings are split too (vocab-parallel).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from .hardware import GPU
