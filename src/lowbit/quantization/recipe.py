@@ -226,7 +226,10 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
         rules.append(
             Rule(("*",), _opt_scheme(d.get("weights"), f"{where}.weights"), _opt_scheme(d.get("inputs"), f"{where}.inputs"))
         )
-    for i, r in enumerate(d.get("rules") or []):
+    rule_list = d.get("rules") or []
+    if not isinstance(rule_list, list):
+        raise ValueError(f"{where}.rules: expected a list of rules, got {type(rule_list).__name__}")
+    for i, r in enumerate(rule_list):
         w = f"{where}.rules[{i}]"
         check_keys(r, _RULE_KEYS, w)
         if "targets" not in r:
