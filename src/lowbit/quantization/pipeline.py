@@ -44,6 +44,14 @@ def needs_data(recipe: Recipe) -> bool:
 
 
 @torch.no_grad()
+def _check_targets(model: nn.Module, recipe: Recipe) -> None:
+    """A rule whose targets match no Linear of ``model`` is an error (before any work)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for rule in recipe.unmatched(names):
+        raise ValueError(f"recipe {recipe.name!r}: the rule for targets {list(rule.targets)} matches no Linear of "
+                         f"this model (its Linears are named like {names[0] if names else '(none)'!r})")
+
+
 def quantize(
     model: nn.Module,
     recipe: Recipe,
@@ -82,10 +90,12 @@ def quantize(
         The :class:`QuantState` that :func:`~lowbit.quantization.runtime.quantized_execution` runs.
 
     Raises:
-        ValueError: an unsupported architecture (before any work), missing calibration
+        ValueError: an unsupported architecture or a rule that matches no Linear (before
+            any work), missing calibration
             data, ``only`` with calibration methods, a lazy model without its store.
     """
     arch_of(model)  # unsupported architectures fail here, before any work
+    _check_targets(model, recipe)
     if store is None and is_lazy(model):
         raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")
     layer_by_layer = recipe.algorithms.layerwise or (recipe.needs_calibration and store is not None and stats is None)

@@ -177,6 +177,10 @@ class Recipe:
                 out[n] = (hit.weights, hit.inputs)
         return out
 
+    def unmatched(self, names: list[str]) -> list[Rule]:
+        """The rules whose targets match none of ``names`` (a typo, or another model's names)."""
+        return [r for r in self.rules if not any(r.matches(n) for n in names)]
+
     @property
     def needs_calibration(self) -> bool:
         """True when some scale comes from calibration data (static inputs, global input

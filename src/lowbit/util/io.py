@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["atomic_write_text", "atomic_dir", "write_json", "refuse_existing", "save_tensors", "load_tensors",
-           "CorruptFile", "CHECKSUM_KEY", "discard_corrupt"]
+           "CorruptFile", "CHECKSUM_KEY", "discard_corrupt", "write_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,22 @@ def _digest(tensors: dict) -> str:
     return h.hexdigest()
 
 
+def write_safetensors(path: Path | str, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with a full disk raised as ``OSError(ENOSPC)`` naming
+    ``path`` (safetensors reports I/O errors as its own exception type)."""
+    import errno
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        if "os error 28" in str(e) or "No space left" in str(e):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise
+
+
 def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` as safetensors at ``path`` atomically (a unique temporary file in the
     same folder, flushed to disk, then renamed), with their checksum in the metadata.
@@ -115,15 +131,13 @@ def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = No
     Concurrent writers of one path each write their own temporary file; the last rename wins
     and every reader sees one complete file.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={**(metadata or {}), CHECKSUM_KEY: _digest(tensors)})
+        write_safetensors(tmp, tensors, {**(metadata or {}), CHECKSUM_KEY: _digest(tensors)})
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
