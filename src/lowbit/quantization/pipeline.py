@@ -21,6 +21,7 @@ request for export.  Input and KV quantization are described in the returned
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,9 @@ from .rounding import round_model
 from .runtime import QuantState
 from .targets import sibling_groups
 
-__all__ = ["quantize", "sibling_groups", "needs_data"]
+log = logging.getLogger(__name__)
+
+__all__ = ["quantize", "sibling_groups", "needs_data", "linear_names"]
 
 
 def needs_data(recipe: Recipe) -> bool:
@@ -45,11 +48,16 @@ def needs_data(recipe: Recipe) -> bool:
 
 @torch.no_grad()
 def _check_targets(model: nn.Module, recipe: Recipe) -> None:
-    """A rule whose targets match no Linear of ``model`` is an error (before any work)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for rule in recipe.unmatched(names):
-        raise ValueError(f"recipe {recipe.name!r}: the rule for targets {list(rule.targets)} matches no Linear of "
-                         f"this model (its Linears are named like {names[0] if names else '(none)'!r})")
+    """Warn about a rule whose targets match no Linear of ``model`` (``lowbit quantize``
+    refuses it: :mod:`lowbit.workflows.ship`); a rule matching nothing can still be meant,
+    e.g. to run a rotation without quantizing weights."""
+    msg = recipe.unmatched(linear_names(model))
+    if msg:
+        log.warning("%s", msg)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
 def quantize(
@@ -90,8 +98,7 @@ def quantize(
         The :class:`QuantState` that :func:`~lowbit.quantization.runtime.quantized_execution` runs.
 
     Raises:
-        ValueError: an unsupported architecture or a rule that matches no Linear (before
-            any work), missing calibration
+        ValueError: an unsupported architecture (before any work), missing calibration
             data, ``only`` with calibration methods, a lazy model without its store.
     """
     arch_of(model)  # unsupported architectures fail here, before any work

@@ -177,9 +177,14 @@ class Recipe:
                 out[n] = (hit.weights, hit.inputs)
         return out
 
-    def unmatched(self, names: list[str]) -> list[Rule]:
-        """The rules whose targets match none of ``names`` (a typo, or another model's names)."""
-        return [r for r in self.rules if not any(r.matches(n) for n in names)]
+    def unmatched(self, names: list[str]) -> str:
+        """What is wrong if some rule's targets match none of ``names`` (a typo, or another
+        model's names), else ``""``."""
+        dead = [list(r.targets) for r in self.rules if not any(r.matches(n) for n in names)]
+        if not dead:
+            return ""
+        return (f"recipe {self.name!r}: the rule for targets {dead[0]} matches no Linear of this model "
+                f"(its Linears are named like {names[0] if names else '(none)'!r})")
 
     @property
     def needs_calibration(self) -> bool:
