@@ -1,14 +1,10 @@
 """A tiny model folder (config, safetensors, tokenizer) and a tiny corpus on disk, for tests
-that run the CLI in a subprocess: a few seconds per run."""
+that run the CLI (in-process or in forked children): a few seconds per run."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 _TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. "
          "Numbers like 12, 345 and 6789 appear beside words, commas, and full stops. ")
 
@@ -35,18 +31,3 @@ def write_model(folder: Path, tokenizer) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(folder)
     return folder
-
-
-def lowbit_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lowbit.cli", *args]
-
-
-def child_env(cache: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(SRC), LOWBIT_CACHE=str(cache), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env["LOWBIT_WORKERS"] = "1"
-    return env
-
-
-def run_lowbit(cache: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(lowbit_cmd(*args), env=child_env(cache), capture_output=True, text=True, timeout=timeout)
