@@ -72,3 +72,15 @@ def _byte_bpe_tokenizer(texts: list[str], add_bos: bool = False):
 def byte_bpe_tokenizer():
     """The builder ``byte_bpe_tokenizer(texts, add_bos=False)`` of a small trained tokenizer."""
     return _byte_bpe_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """``(model folder, corpus folder)`` on disk for CLI runs in a subprocess
+    (:mod:`tinyfolder`)."""
+    from tinyfolder import _TEXT, write_corpus, write_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    corpus = write_corpus(root / "corpus")
+    tok = _byte_bpe_tokenizer([_TEXT] * 4)
+    return write_model(root / "model", tok), corpus

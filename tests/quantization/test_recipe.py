@@ -84,3 +84,18 @@ def test_presets_are_valid_and_compare_default_exists():
 def test_static_kv_needs_tensor_or_head():
     with pytest.raises(ValueError, match="static .* needs tensor or head"):
         recipe_from_dict({"kv_cache": {"scheme": {"format": "fp8_e4m3", "granularity": "token"}}})
+
+
+def test_a_rule_matching_nothing_is_named(tiny_llama, caplog):
+    """The pipeline warns (a rule matching nothing may be meant, e.g. rotation only);
+    ``lowbit quantize`` refuses it (tests/cli/test_damaged_inputs.py)."""
+    import logging
+
+    from lowbit.quantization.pipeline import linear_names, quantize
+
+    r = recipe_from_dict({"rules": [{"targets": ["*.mlp.fc9"], "weights": "int8-channel"}]})
+    assert "the rule for targets ['*.mlp.fc9'] matches no Linear" in r.unmatched(linear_names(tiny_llama))
+    assert RECIPES["w8a16-int8"].unmatched(linear_names(tiny_llama)) == ""
+    with caplog.at_level(logging.WARNING, logger="lowbit"):
+        quantize(tiny_llama, r)
+    assert "matches no Linear" in caplog.text

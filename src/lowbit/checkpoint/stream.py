@@ -20,10 +20,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from ..util.io import atomic_dir
+from ..util.io import atomic_dir, write_safetensors
 from ..models.arch import arch_of, decoder_layers
 from ..models.offload import LayerStore
 from ..quantization.targets import sibling_groups
@@ -79,7 +78,7 @@ class LayerwiseExport:
 
     def _write(self, k: int, tensors: dict[str, torch.Tensor], quantized: int) -> None:
         name = self._shard_name(k)
-        save_file(tensors, str(self._tmp / name), metadata={"format": "pt"})
+        write_safetensors(str(self._tmp / name), tensors, metadata={"format": "pt"})
         self._weight_map.update({t: name for t in tensors})
         self._bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         self._quantized += quantized

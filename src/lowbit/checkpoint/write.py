@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from .._version import __version__
-from ..util.io import atomic_dir
+from ..util.io import atomic_dir, write_safetensors
 from ..models.arch import arch_of
 from ..quantization.targets import sibling_groups
 from ..quantization.runtime import QuantState
@@ -260,7 +259,7 @@ def export(
     with atomic_dir(out, force=force) as tmp:
         qc = quantization_config(model, state)
         tensors, quantized = checkpoint_tensors(model, state, dtype)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(str(tmp / "model.safetensors"), tensors, metadata={"format": "pt"})
         write_metadata(tmp, model, qc, dtype=dtype, tokenizer=tokenizer, source=source)
         file_bytes = (tmp / "model.safetensors").stat().st_size
         total = sum(t.numel() * t.element_size() for t in tensors.values())

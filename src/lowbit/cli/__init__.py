@@ -3,12 +3,13 @@
 The CLI is the only place that prints.  Errors that come from bad input (``ValueError``,
 ``FileNotFoundError``, ``FileExistsError``; the library raises these, with a message naming
 what is wrong) are shown as one line and exit with status 2; anything else, ``KeyError``
-included, is a bug and shows its traceback.
+included, is a bug and shows its traceback (a full disk, ENOSPC, is one line and status 2 too).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -246,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         msg = str(e)
         print(f"lowbit {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk is the environment, not a bug: one line (the writer removed its partial file)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"lowbit {args.command}: error: no space left on the device writing {e.filename or 'a file'} "
+              f"({e.strerror}); nothing was written", file=sys.stderr)
         return 2
 
 

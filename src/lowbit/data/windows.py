@@ -14,14 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..models.assets import Document, cache_dir, load_documents
+from ..util.io import CorruptFile, discard_corrupt, load_tensors, save_tensors
 
 __all__ = ["split_documents", "token_stream", "eval_windows", "calibration_windows", "stream_for", "windows_for",
            "tokenizer_fingerprint"]
@@ -159,19 +158,17 @@ def windows_for(tokenizer, corpus: str, part: str, *, seq_len: int = 512,
 
 
 def _cached_stream(path: Path, build, metadata: dict[str, str]) -> torch.Tensor:
-    from safetensors.torch import load_file, save_file
-
+    """The stream cached at ``path`` if it is intact (checksum verified), else ``build()``,
+    written atomically with its checksum (:func:`lowbit.util.io.save_tensors`)."""
     if path.is_file():
-        return load_file(path)["tokens"]
+        try:
+            tensors, _ = load_tensors(path)
+            if set(tensors) != {"tokens"}:
+                raise CorruptFile(f"{path}: holds {sorted(tensors)}, not a token stream")
+            return tensors["tokens"]
+        except CorruptFile as e:
+            discard_corrupt(e, path)
     tokens = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"tokens": tokens}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_tensors(path, {"tokens": tokens}, metadata)
     log.info("cached %s tokens in %s", f"{tokens.numel():,}", path)
     return tokens

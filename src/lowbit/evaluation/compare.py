@@ -28,6 +28,7 @@ from ..quantization.pipeline import quantize
 from ..quantization.recipe import Recipe, load_recipe
 from ..quantization.runtime import QuantState, plain_forward, quantized_execution
 from ..numerics.scheme import bits_per_element
+from ..util.io import CorruptFile, discard_corrupt
 
 __all__ = ["Row", "Comparison", "Workbench", "compare", "weight_bits", "kv_bits"]
 
@@ -170,13 +171,18 @@ class Workbench:
         return _digest(model_fingerprint(self.info), *extra)
 
     def _cached(self, stage: str, path: Path, load, compute):
-        """``load(path)`` if the file exists, else ``compute()`` and save it; the time goes
-        to ``stage`` (or ``stage (cached)``)."""
+        """``load(path)`` if the file exists and is intact, else ``compute()`` and save it
+        (atomically: concurrent runs each write a whole file); the time goes to ``stage``
+        (or ``stage (cached)``)."""
         t0 = time.perf_counter()
         if path.exists():
-            value = load(path)
-            self.stage_seconds[f"{stage} (cached)"] = time.perf_counter() - t0
-            return value
+            try:
+                value = load(path)
+            except CorruptFile as e:  # truncated or corrupted: never used, recomputed
+                discard_corrupt(e, path)
+            else:
+                self.stage_seconds[f"{stage} (cached)"] = time.perf_counter() - t0
+                return value
         value = compute()
         value.save(path)
         self.stage_seconds[stage] = time.perf_counter() - t0

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
+from ..util.io import CorruptFile, load_tensors, save_tensors
 from ..util.parallel import map_shards
 from ..quantization.runtime import Forward
 
@@ -53,15 +53,16 @@ class Reference:
         return self.topk_ids.shape[-1]
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.contiguous() for k, v in asdict(self).items()}, str(tmp))
-        tmp.replace(path)
+        """Atomically, with a checksum (:func:`lowbit.util.io.save_tensors`)."""
+        save_tensors(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> "Reference":
-        return cls(**load_file(str(path)))
+        """Raises :class:`lowbit.util.io.CorruptFile` for a truncated or corrupted file."""
+        tensors, _ = load_tensors(path)
+        if set(tensors) != {f.name for f in fields(cls)}:
+            raise CorruptFile(f"{path}: tensors {sorted(tensors)} are not a reference's")
+        return cls(**tensors)
 
 
 @dataclass(frozen=True)

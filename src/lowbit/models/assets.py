@@ -34,6 +34,7 @@ from typing import Iterator
 import torch
 
 from .arch import bos_required
+from .integrity import check_gguf
 from .corpora import (Document, hf_documents, jsonl_text, local_documents, read_brown_archive,
                       read_jsonl, read_wiki_archive)
 from ..util.io import atomic_dir, atomic_write_text
@@ -310,6 +311,7 @@ def _gguf_folder(gguf_path: Path, cache: Path) -> Path:
     out = cache / "models" / f"gguf-{gguf_path.stem}-{sha256[:8]}"
     with _locked(cache, out.name):
         if _converted_from(out) != sha256:
+            check_gguf(gguf_path)  # a truncated or damaged file: one clear error, nothing converted
             ftype = _gguf_file_type(gguf_path)
             note = f"dequantized from a {ftype} GGUF: the fp32 reference was itself stored as {ftype}"
             _convert_gguf(gguf_path, out, sha256, note)

@@ -40,8 +40,11 @@ class Document:
 
 def read_jsonl(path: Path) -> list[Document]:
     """Documents of a ``.jsonl`` file, one ``{"id", "title", "text"}`` object per line, in file order."""
-    with open(path, encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON-lines file of documents ({exc})") from None
     try:
         return [Document(str(r["id"]), str(r["title"]), r["text"]) for r in rows]
     except (KeyError, TypeError) as exc:
@@ -75,7 +78,17 @@ def local_documents(path: Path) -> list[Document]:
         return read_jsonl(path)
     else:
         raise ValueError(f"{path}: expected a .txt file, a folder of .txt files or a .jsonl file")
-    return [Document(f.name, f.stem, f.read_text(encoding="utf-8").strip()) for f in files]
+    docs = [Document(f.name, f.stem, _text(f)) for f in files]
+    if not any(d.text for d in docs):
+        raise ValueError(f"{path}: no text (every file is empty)")
+    return docs
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 # ---------------------------------------------------------------------------------------------

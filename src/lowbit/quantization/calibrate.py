@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .kv import KVObserver, cache_kwarg, make_cache
+from ..util.io import load_tensors, save_tensors
 from ..util.parallel import map_shards
 
 __all__ = ["CalibStats", "collect_stats", "record_input_absmax"]
@@ -37,22 +37,17 @@ class CalibStats:
     tokens: int = 0
 
     def save(self, path: Path) -> None:
-        t = {f"in/{k}": v.contiguous() for k, v in self.input_absmax.items()}
-        t |= {f"k/{i}": v.contiguous() for i, v in self.k_absmax.items()}
-        t |= {f"v/{i}": v.contiguous() for i, v in self.v_absmax.items()}
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(t, str(tmp), metadata={"tokens": str(self.tokens)})
-        tmp.replace(path)
+        """Atomically, with a checksum (:func:`lowbit.util.io.save_tensors`)."""
+        t = {f"in/{k}": v for k, v in self.input_absmax.items()}
+        t |= {f"k/{i}": v for i, v in self.k_absmax.items()}
+        t |= {f"v/{i}": v for i, v in self.v_absmax.items()}
+        save_tensors(path, t, metadata={"tokens": str(self.tokens)})
 
     @classmethod
     def load(cls, path: Path) -> "CalibStats":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            tokens = int(f.metadata().get("tokens", 0))
-        t = load_file(str(path))
+        """Raises :class:`lowbit.util.io.CorruptFile` for a truncated or corrupted file."""
+        t, metadata = load_tensors(path)
+        tokens = int(metadata.get("tokens", 0))
         s = cls(tokens=tokens)
         for k, v in t.items():
             kind, _, name = k.partition("/")

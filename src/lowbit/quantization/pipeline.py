@@ -21,6 +21,7 @@ request for export.  Input and KV quantization are described in the returned
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,9 @@ from .rounding import round_model
 from .runtime import QuantState
 from .targets import sibling_groups
 
-__all__ = ["quantize", "sibling_groups", "needs_data"]
+log = logging.getLogger(__name__)
+
+__all__ = ["quantize", "sibling_groups", "needs_data", "linear_names"]
 
 
 def needs_data(recipe: Recipe) -> bool:
@@ -44,6 +47,19 @@ def needs_data(recipe: Recipe) -> bool:
 
 
 @torch.no_grad()
+def _check_targets(model: nn.Module, recipe: Recipe) -> None:
+    """Warn about a rule whose targets match no Linear of ``model`` (``lowbit quantize``
+    refuses it: :mod:`lowbit.workflows.ship`); a rule matching nothing can still be meant,
+    e.g. to run a rotation without quantizing weights."""
+    msg = recipe.unmatched(linear_names(model))
+    if msg:
+        log.warning("%s", msg)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
 def quantize(
     model: nn.Module,
     recipe: Recipe,
@@ -86,6 +102,7 @@ def quantize(
             data, ``only`` with calibration methods, a lazy model without its store.
     """
     arch_of(model)  # unsupported architectures fail here, before any work
+    _check_targets(model, recipe)
     if store is None and is_lazy(model):
         raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")
     layer_by_layer = recipe.algorithms.layerwise or (recipe.needs_calibration and store is not None and stats is None)

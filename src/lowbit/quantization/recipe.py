@@ -177,6 +177,15 @@ class Recipe:
                 out[n] = (hit.weights, hit.inputs)
         return out
 
+    def unmatched(self, names: list[str]) -> str:
+        """What is wrong if some rule's targets match none of ``names`` (a typo, or another
+        model's names), else ``""``."""
+        dead = [list(r.targets) for r in self.rules if not any(r.matches(n) for n in names)]
+        if not dead:
+            return ""
+        return (f"recipe {self.name!r}: the rule for targets {dead[0]} matches no Linear of this model "
+                f"(its Linears are named like {names[0] if names else '(none)'!r})")
+
     @property
     def needs_calibration(self) -> bool:
         """True when some scale comes from calibration data (static inputs, global input
@@ -226,7 +235,10 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
         rules.append(
             Rule(("*",), _opt_scheme(d.get("weights"), f"{where}.weights"), _opt_scheme(d.get("inputs"), f"{where}.inputs"))
         )
-    for i, r in enumerate(d.get("rules") or []):
+    rule_list = d.get("rules") or []
+    if not isinstance(rule_list, list):
+        raise ValueError(f"{where}.rules: expected a list of rules, got {type(rule_list).__name__}")
+    for i, r in enumerate(rule_list):
         w = f"{where}.rules[{i}]"
         check_keys(r, _RULE_KEYS, w)
         if "targets" not in r:

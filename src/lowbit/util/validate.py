@@ -27,7 +27,8 @@ def check_keys(d: dict, allowed: set[str], where: str) -> None:
         raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
     unknown = set(d) - allowed
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        # YAML keys may be numbers, booleans or null as well as strings: sort by their text
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown, key=repr)}; allowed: {sorted(allowed)}")
 
 
 def _check_type(value: Any, annotation: str, where: str) -> Any:

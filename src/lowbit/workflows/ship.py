@@ -23,7 +23,7 @@ from ..evaluation.compare import Workbench
 from ..evaluation.metrics import evaluate as run_eval
 from ..models.loading import load_model, read_into
 from ..models.offload import LayerStore
-from ..quantization.pipeline import needs_data, quantize
+from ..quantization.pipeline import linear_names, needs_data, quantize
 from ..quantization.recipe import Recipe, load_recipe
 from ..quantization.runtime import quantized_execution
 from ..quantization.targets import sibling_groups
@@ -38,6 +38,13 @@ def _checked_recipe(recipe: str, out: Path, force: bool) -> Recipe:
     if Path(out).exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it")
     return r
+
+
+def _refuse_dead_rules(model, recipe: Recipe) -> None:
+    """A checkpoint is not written from a recipe with a rule that matches no Linear."""
+    msg = recipe.unmatched(linear_names(model))
+    if msg:
+        raise ValueError(msg)
 
 
 def quantize_to_folder(
@@ -69,6 +76,7 @@ def quantize_to_folder(
     bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
                            calib_windows=calib_windows if needs_data(r) else 0, seed=seed, cache=cache,
                            progress=progress)
+    _refuse_dead_rules(bench.model, r)
     shapes = _linear_shapes(bench.model)
     check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
     if evaluate:
@@ -113,6 +121,7 @@ def quantize_streaming(
     out = Path(out)
     r = _checked_recipe(recipe, out, force)
     m, tok, info = load_model(model, cache=cache, lazy=True)
+    _refuse_dead_rules(m, r)
     calib = None
     if needs_data(r):
         bos = tok.bos_token_id if info.needs_bos else None
