@@ -45,11 +45,13 @@ def run(args: argparse.Namespace, bench, configs: list[tuple[str, object, object
     """Benchmarks (and, unless ``--tasks-only``, the perplexity comparison ``perplexity()``) for
     ``configs``: ``(label, recipe or None, model or None)`` each. Prints the tables and writes
     one JSON file with both (per-example outcomes under ``tasks``)."""
+    from ..data.tasks import resolve_tasks
     from ..evaluation.task_compare import TaskConfig, task_comparison
     from ..report import tables as render
     from ..report.tasks import tasks_table
     from . import _finish
 
+    resolve_tasks(args.tasks)  # unknown names fail before any work
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be positive, got {args.limit}")
     ppl = None
