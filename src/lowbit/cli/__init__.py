@@ -47,6 +47,9 @@ def cmd_assets(args: argparse.Namespace) -> int:
     if args.action == "list":
         for name, a in {**assets.MODEL_ASSETS, **assets.CORPUS_ASSETS}.items():
             print(f"{name:<14} {type(a).__name__:<12} {getattr(a, 'note', '') or ''}")
+        from ..data.tasks import TASKS_ASSET
+
+        print(f"{'tasks':<14} {type(TASKS_ASSET).__name__:<12} {TASKS_ASSET.note}")
         return 0
     names = args.names or ["all"]
     if "all" in names:

