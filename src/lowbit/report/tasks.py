@@ -26,23 +26,25 @@ def tasks_table(comparison) -> Table:
     limit = f", first {comparison.limit} rows" if comparison.limit else ""
     t = Table(title=f"Benchmarks on {comparison.model} (lm-eval 0.4.13 formats, 0-shot{limit}; accuracy in %)",
               title_justify="left")
-    for col in ("task", "n", "metric", "config", "acc", "95% CI", "Δ", "Δ 95% CI", "right→wrong", "wrong→right",
-                "flipped", "McNemar p", "choice KL / ppl"):
-        t.add_column(col, justify="left" if col in ("task", "metric", "config") else "right", no_wrap=True)
+    for col in ("task (n)", "metric", "config", "acc [95% CI]", "Δ [95% CI]", "r→w / w→r", "flipped", "McNemar p",
+                "choice KL / ppl"):
+        t.add_column(col, justify="left" if col in ("task (n)", "metric", "config") else "right", no_wrap=True)
     ref = comparison.rows[0]
     for task in comparison.tasks:
-        n = str(comparison.examples[task])
+        label = f"{task} ({comparison.examples[task]})"
         for metric in (m for m in TASKS[task].metrics if m != "perplexity"):
             ppl = "perplexity" in TASKS[task].metrics
             r = ref.results[task]
             first = next((row.paired[task] for row in comparison.rows[1:]), None)
             ref_ci = next((p.reference_ci for p in first if p.metric == metric), None) if first else None
-            t.add_row(task, n, metric, "reference", _pct(r.metric(metric)), _ci(ref_ci) if ref_ci else "", "", "",
+            t.add_row(label, metric, "reference", f"{_pct(r.metric(metric))} {_ci(ref_ci) if ref_ci else ''}".strip(),
                       "", "", "", "", num(r.metric("perplexity")) if ppl else "")
+            label = ""
             for row in comparison.rows[1:]:
                 p = next(p for p in row.paired[task] if p.metric == metric)
                 extra = num(row.results[task].metric("perplexity")) if ppl else num(p.choice_kl)
-                t.add_row("", "", "", row.label, _pct(p.accuracy), _ci(p.accuracy_ci), f"{100 * p.delta:+.1f}",
-                          _ci(p.delta_ci, True), str(p.flips.right_to_wrong), str(p.flips.wrong_to_right),
-                          f"{100 * p.flips.fraction:.1f}%", num(p.mcnemar_p, 3), extra)
+                t.add_row("", "", row.label, f"{_pct(p.accuracy)} {_ci(p.accuracy_ci)}",
+                          f"{100 * p.delta:+.1f} {_ci(p.delta_ci, True)}",
+                          f"{p.flips.right_to_wrong} / {p.flips.wrong_to_right}", f"{100 * p.flips.fraction:.1f}%",
+                          num(p.mcnemar_p, 3), extra)
     return t
