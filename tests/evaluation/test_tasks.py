@@ -199,3 +199,48 @@ def test_paired_accuracy():
     assert res.delta_ci[1] - res.delta_ci[0] < (res.accuracy_ci[1] - res.accuracy_ci[0])
     same = P.paired_accuracy("acc", r, r)
     assert same.delta == 0 and same.delta_ci == (0.0, 0.0) and same.mcnemar_p == 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The comparison behind `--tasks`
+
+
+def test_task_comparison_pairs_each_config_with_a_cached_reference(tokenizer, tmp_path, monkeypatch):
+    import json as _json
+
+    from lowbit.evaluation import task_compare as TC
+    from lowbit.evaluation.compare import Workbench
+    from lowbit.models.loading import ModelInfo
+    from lowbit.report.tasks import tasks_table
+
+    by_task = {"arc_easy": [EXAMPLES[0], EXAMPLES[4]], "lambada": [EXAMPLES[3]]}
+    monkeypatch.setattr(TC, "load_task", lambda t, **kw: [dataclasses_replace(e, task=t) for e in by_task[t]])
+    model = _model("llama")
+    w0 = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    bench = Workbench(model, tokenizer, ModelInfo("tiny", tmp_path, False, ""), torch.zeros(0, 8, dtype=torch.long),
+                      torch.zeros(0, 8, dtype=torch.long), "none", 0, tmp_path, progress=False)
+    configs = [TC.TaskConfig("as-is", None, model), TC.TaskConfig("int2-w", recipe_from_dict(
+        {"name": "int2-w", "weights": {"format": "int2", "granularity": "channel"}}))]
+    cmp = TC.task_comparison(bench, configs, "arc_easy,lambada", bootstrap=200)
+    assert [r.label for r in cmp.rows] == ["reference", "as-is", "int2-w"]
+    same = cmp.rows[1].paired["arc_easy"]
+    assert [p.metric for p in same] == ["acc", "acc_norm"]
+    assert all(p.delta == 0 and p.flips.fraction == 0 and p.choice_kl == pytest.approx(0, abs=1e-8) for p in same)
+    assert cmp.rows[2].paired["arc_easy"][0].choice_kl > 1e-4  # 2-bit weights move the choice distribution
+    (lam,) = cmp.rows[2].paired["lambada"]
+    assert lam.metric == "acc" and lam.choice_kl is None
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, w0)  # a copy was quantized, not the model
+    cached = sorted((tmp_path / "task-references").glob("tiny-*.json"))
+    assert len(cached) == 2
+    monkeypatch.setattr(TC, "score_examples", lambda *a, **k: pytest.fail("the reference was not cached"))
+    again = TC.task_comparison(bench, [], "arc_easy,lambada")
+    assert again.rows[0].results == cmp.rows[0].results
+    d = _json.loads(_json.dumps(cmp.to_dict()))
+    assert d["rows"][2]["results"]["arc_easy"]["examples"][0]["loglik"]  # per-example outcomes kept
+    assert tasks_table(cmp).row_count == 2 * 3 + 3
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)

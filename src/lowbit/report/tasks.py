@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from ..data.tasks import TASKS
+from ..evaluation.paired import accuracy_ci
 from .tables import num
 
 __all__ = ["tasks_table"]
@@ -35,9 +36,9 @@ def tasks_table(comparison) -> Table:
         for metric in (m for m in TASKS[task].metrics if m != "perplexity"):
             ppl = "perplexity" in TASKS[task].metrics
             r = ref.results[task]
-            first = next((row.paired[task] for row in comparison.rows[1:]), None)
-            ref_ci = next((p.reference_ci for p in first if p.metric == metric), None) if first else None
-            t.add_row(label, metric, "reference", f"{_pct(r.metric(metric))} {_ci(ref_ci) if ref_ci else ''}".strip(),
+            m = "greedy" if r.kind == "last_word" else metric
+            ref_ci = accuracy_ci([e.correct(m) for e in r.examples], seed=comparison.seed)
+            t.add_row(label, metric, "reference", f"{_pct(r.metric(metric))} {_ci(ref_ci)}",
                       "", "", "", "", num(r.metric("perplexity")) if ppl else "")
             label = ""
             for row in comparison.rows[1:]:
