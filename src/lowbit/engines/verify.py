@@ -121,16 +121,19 @@ class Verification:
 
 # -- the engine subprocess ---------------------------------------------------------------
 
-_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
+_ERROR_LINE = re.compile(r"(?:^|\s|\.)([A-Z]\w*(?:Error|Exception)): (.+)$")
+#: vLLM's wrappers around a worker's exception: the root cause is logged before them
+_WRAPPERS = ("Engine core initialization failed", "Worker failed with error")
 
 
 def _engine_error(log: str) -> str:
-    """The last exception line of an engine log ("ValueError: ..."), else its last line."""
+    """The root-cause exception line of an engine log ("NotImplementedError: ..."): the last
+    exception that is not one of vLLM's wrappers, else the last line."""
     lines = [l for l in log.splitlines() if l.strip()]
-    for line in reversed(lines):
-        m = _ERROR_LINE.match(line)
-        if m:
-            return f"{m[1]}: {m[2].strip()}"[:400]
+    found = [f"{m[1]}: {m[2].strip()}" for m in map(_ERROR_LINE.search, lines) if m]
+    causes = [f for f in found if not any(w in f for w in _WRAPPERS)]
+    if causes or found:
+        return (causes or found)[-1][:400]
     return (lines[-1] if lines else "no output")[:400]
 
 
@@ -143,8 +146,11 @@ def run_engine(vpy: VllmPython, req: EngineRequest, windows: torch.Tensor, log_p
     """
     import os
 
+    # VLLM_CPU_INT4_W4A8=0: on CPUs with AMX, vLLM would otherwise serve W4A16 INT4 folders as W4A8
+    # (dynamic INT8 activations, vllm/model_executor/kernels/linear/mixed_precision/cpu.py), which is
+    # not the recipe lowbit predicts
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "VLLM_CPU_INT4_W4A8": "0", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)  # the engine's environment must not see lowbit's packages
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lowbit-verify-") as tmp:
@@ -266,7 +272,7 @@ def verify(
     todo = []
     for f in folders:
         try:
-            check_supported(schemes[f], vpy.platform)
+            check_supported(schemes[f], vpy.platform, vpy.isa, vpy.amx)
             todo.append(f)
         except EngineUnsupported as e:
             if len(folders) == 1:
