@@ -79,3 +79,20 @@ def test_logprobs_at_and_engine_shape_check():
     s.check(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="positions"):
         s.check(torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_engine_root_cause_line_from_a_vllm_log():
+    from lowbit.engines.verify import _engine_error
+
+    log = """(Worker pid=1) INFO 12-01 18:41:30 [cpu_model_runner.py:68] Starting to load model /x...
+(Worker pid=1) ERROR 12-01 18:41:36 [multiproc_executor.py:1063]   File "cpu_attn.py", line 541, in _get_attn_isa
+(Worker pid=1) ERROR 12-01 18:41:36 [multiproc_executor.py:1063]     raise NotImplementedError(
+(Worker pid=1) ERROR 12-01 18:41:36 [multiproc_executor.py:1063] NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.
+(EngineCore pid=2) ERROR 12-01 18:41:36 [core.py:1510] RuntimeError: Worker failed with error 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.', please check the stack trace above for the root cause
+Traceback (most recent call last):
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+"""
+    assert _engine_error(log) == "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    assert _engine_error("vllm.exceptions.VLLMValidationError: The decoder prompt (length 512) is too long\n") == \
+        "VLLMValidationError: The decoder prompt (length 512) is too long"
+    assert _engine_error("") == "no output"

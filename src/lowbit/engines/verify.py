@@ -30,6 +30,7 @@ from ..evaluation.metrics import window_metrics
 from ..models.assets import cache_dir
 from ..models.loading import load_model
 from ..quantization.runtime import plain_forward, quantized_execution
+from .bf16 import bf16_linear_via_fp32
 from .folder import folder_recipe, prediction_state, read_card, source_model
 from .scoring import EngineScores, Pair, PairAccumulator
 from .support import EngineUnsupported, check_supported, engine_dtype, folder_schemes
@@ -216,15 +217,22 @@ def _compare(bench: Workbench, forward, scores: EngineScores, with_reference: bo
     ref_forward = plain_forward(bench.model) if with_reference else None
     reference = bench.reference if with_reference else None
     kl_full = 0.0
-    for w in range(len(bench.windows)):
-        ids = bench.windows[w:w + 1]
-        logits = forward(ids)[0, :-1].float()
-        ref_logits = ref_forward(ids)[0, :-1].float() if ref_forward else None
-        acc.add(logits, ids[0, 1:], scores, w, ref_logits)
-        if reference is not None:
-            kl_full += float(window_metrics(logits, ids[0, 1:], reference, w)["kl"].double().sum())
+    with bf16_linear_via_fp32():
+        for w in range(len(bench.windows)):
+            kl_full += _window(bench, forward, ref_forward, reference, scores, acc, w)
     pair = acc.result()
     return pair, kl_full / pair.tokens
+
+
+def _window(bench, forward, ref_forward, reference, scores, acc, w: int) -> float:
+    """One window into ``acc``; returns its summed top-1024 KL(reference ‖ lowbit) (0 without)."""
+    ids = bench.windows[w:w + 1]
+    logits = forward(ids)[0, :-1].float()
+    ref_logits = ref_forward(ids)[0, :-1].float() if ref_forward else None
+    acc.add(logits, ids[0, 1:], scores, w, ref_logits)
+    if reference is None:
+        return 0.0
+    return float(window_metrics(logits, ids[0, 1:], reference, w)["kl"].double().sum())
 
 
 def verify(
