@@ -22,7 +22,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.json} exists; pass --force to overwrite it")
     res = verify([Path(d) for d in args.dirs], reference=args.reference, recipe=args.recipe, windows=args.windows,
                  seq_len=args.seq_len, corpus=args.corpus, k=args.topk, python=args.python, engine=args.engine,
-                 kv_chunk=args.kv_chunk, cache=args.cache, on_result=lambda c: print(render.check_line(c), flush=True))
+                 kv_chunk=args.kv_chunk, cache=args.cache, on_result=lambda c: print(render.check_line(c), flush=True),
+                 on_noise=lambda n: print(render.noise_line(n), flush=True))
     for line in render.refused_lines(res):
         print(line)
     if res.checks:

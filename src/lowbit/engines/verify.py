@@ -250,6 +250,7 @@ def verify(
     cache: Path | None = None,
     progress: bool = False,
     on_result=None,
+    on_noise=None,
 ) -> Verification:
     """Verify each exported folder against vLLM (see the module docstring).
 
@@ -306,6 +307,8 @@ def verify(
                                            logs / f"{bench.info.name}-unquantized-{stamp}.log")
             noise, _ = _compare(bench, plain_forward(base), nscores, with_reference=False)
             stages["noise floor"] = time.perf_counter() - t1
+            if on_noise is not None:
+                on_noise(noise)
         kv = "fp8" if s.kv_cache else None
         req = EngineRequest(str(f.resolve()), dtype, k, seq_len + 1, kv, kv_chunk if kv else None)
         try:

@@ -6,7 +6,7 @@ from rich.table import Table
 
 from .tables import num
 
-__all__ = ["verify_table", "check_line", "refused_lines"]
+__all__ = ["verify_table", "check_line", "noise_line", "refused_lines"]
 
 
 def _pct(a: float, b: float) -> str:
@@ -49,6 +49,12 @@ def check_line(c) -> str:
             f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KL(lowbit‖vLLM) {p.kl:.2e} = "
             f"{num(c.kl_ratio, 2)} × KL(ref‖lowbit) {num(p.kl_reference, 3)} ({'ok' if c.kl_ok else 'MISS'}); "
             f"top-1 {p.top1:.4f}; {c.engine_seconds:.0f} s vLLM + {c.lowbit_seconds:.0f} s lowbit")
+
+
+def noise_line(n) -> str:
+    """The noise floor (unquantized model: vLLM against lowbit, same dtype), printed when known."""
+    return (f"noise floor (unquantized): vLLM {n.engine_ppl:.4f}, lowbit {n.lowbit_ppl:.4f} (Δ {n.delta_ppl:+.4f}); "
+            f"KL(lowbit‖vLLM) {n.kl:.2e}; top-1 {n.top1:.4f}")
 
 
 def refused_lines(v) -> list[str]:
