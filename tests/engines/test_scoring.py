@@ -96,3 +96,11 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
     assert _engine_error("vllm.exceptions.VLLMValidationError: The decoder prompt (length 512) is too long\n") == \
         "VLLMValidationError: The decoder prompt (length 512) is too long"
     assert _engine_error("") == "no output"
+
+
+def test_cpu_caveat_for_int8_without_vnni():
+    from lowbit.engines.support import FolderSchemes, GroupScheme, cpu_caveats
+
+    s = FolderSchemes("/x/int8", (GroupScheme("group_0", "W8A8 INT8 dynamic", "int-quantized", {}, {}),), None, "bfloat16")
+    assert len(cpu_caveats(s, "AVX2")) == 1 and "VNNI" in cpu_caveats(s, "AVX2")[0]
+    assert cpu_caveats(s, "AVX512") == [] and cpu_caveats(s, "AVX2", amx=True) == []

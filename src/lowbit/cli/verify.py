@@ -26,6 +26,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                  on_noise=lambda n: print(render.noise_line(n), flush=True))
     for line in render.refused_lines(res):
         print(line)
+    for line in res.caveats:
+        print(f"caveat: {line}")
     if res.checks:
         print_tables(render.verify_table(res))
     path = Path(args.json) if args.json else \

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["EngineUnsupported", "GroupScheme", "FolderSchemes", "folder_schemes", "CPU_SUPPORT", "check_supported",
+__all__ = ["cpu_caveats", "CPU_CAVEATS", "EngineUnsupported", "GroupScheme", "FolderSchemes", "folder_schemes", "CPU_SUPPORT", "check_supported",
            "engine_dtype"]
 
 
@@ -132,6 +132,26 @@ def engine_dtype(schemes: FolderSchemes) -> str:
     if schemes.dtype in ("float32", "fp32") and "W4A16 INT4" not in schemes.labels:
         return "float32"
     return "bfloat16"
+
+
+#: scheme label → (CPU feature that makes it exact, what vLLM computes without it): runs, but not as
+#: the recipe says (benchmarks/vllm_cpu_int8_probe.py, RESULTS.md issue 14)
+CPU_CAVEATS: dict[str, tuple[str, str]] = {
+    "W8A8 INT8 dynamic": ("AVX512", "vLLM's oneDNN INT8 GEMM without VNNI saturates its int16 pair sums with "
+                                    "full-range int8 weights (errors of tens of % of the output on single layers)"),
+    "W8A8 INT8 static": ("AVX512", "vLLM's oneDNN INT8 GEMM without VNNI saturates its int16 pair sums with "
+                                   "full-range int8 weights (errors of tens of % of the output on single layers)"),
+}
+
+
+def cpu_caveats(schemes: FolderSchemes, isa: str, amx: bool = False) -> list[str]:
+    """One line per scheme of ``schemes`` that the CPU engine runs inexactly on ``isa``."""
+    out = []
+    for label in schemes.labels:
+        c = CPU_CAVEATS.get(label)
+        if c is not None and isa and not amx and c[0] not in isa.upper():
+            out.append(f"{Path(schemes.folder).name}: {label} on {isa}: {c[1]}")
+    return out
 
 
 def check_supported(schemes: FolderSchemes, platform: str = "cpu", isa: str = "", amx: bool = False) -> None:

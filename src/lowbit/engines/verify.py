@@ -33,7 +33,7 @@ from ..quantization.runtime import plain_forward, quantized_execution
 from .bf16 import bf16_linear_via_fp32
 from .folder import folder_recipe, prediction_state, read_card, source_model
 from .scoring import EngineScores, Pair, PairAccumulator
-from .support import EngineUnsupported, check_supported, engine_dtype, folder_schemes
+from .support import EngineUnsupported, check_supported, cpu_caveats, engine_dtype, folder_schemes
 from .venv import VllmPython, find_vllm_python
 
 __all__ = ["EngineRequest", "CheckpointCheck", "Verification", "run_engine", "verify", "TARGET_PPL_FACTOR",
@@ -110,6 +110,7 @@ class Verification:
     noise_request: EngineRequest | None
     checks: tuple[CheckpointCheck, ...] = ()
     refused: tuple[tuple[str, str], ...] = ()  # (folder, one-line reason)
+    caveats: tuple[str, ...] = ()  # schemes the engine runs, but inexactly on this CPU
     stage_seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -117,6 +118,7 @@ class Verification:
                 "k": self.k, "engine": self.engine, "noise": self.noise.to_dict() if self.noise else None,
                 "noise_request": self.noise_request.to_dict() if self.noise_request else None,
                 "checks": [c.to_dict() for c in self.checks], "refused": [list(r) for r in self.refused],
+                "caveats": list(self.caveats),
                 "stage_seconds": dict(self.stage_seconds)}
 
 
@@ -278,11 +280,14 @@ def verify(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logs = cache / "verify" / "logs"
     refused: list[tuple[str, str]] = []
+    caveats: list[str] = []
     todo = []
     for f in folders:
         try:
             check_supported(schemes[f], vpy.platform, vpy.isa, vpy.amx)
             todo.append(f)
+            if vpy.platform == "cpu":
+                caveats.extend(cpu_caveats(schemes[f], vpy.isa, vpy.amx))
         except EngineUnsupported as e:
             if len(folders) == 1:
                 raise
@@ -336,4 +341,4 @@ def verify(
             on_result(check)
     card = read_card(todo[0]) if todo else None
     return Verification(card.model if card else bench.info.name, corpus, len(bench.windows), seq_len, k,
-                        vpy.to_dict(), noise, noise_req, tuple(checks), tuple(refused), stages)
+                        vpy.to_dict(), noise, noise_req, tuple(checks), tuple(refused), tuple(caveats), stages)
