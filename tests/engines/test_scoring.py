@@ -104,3 +104,15 @@ def test_cpu_caveat_for_int8_without_vnni():
     s = FolderSchemes("/x/int8", (GroupScheme("group_0", "W8A8 INT8 dynamic", "int-quantized", {}, {}),), None, "bfloat16")
     assert len(cpu_caveats(s, "AVX2")) == 1 and "VNNI" in cpu_caveats(s, "AVX2")[0]
     assert cpu_caveats(s, "AVX512") == [] and cpu_caveats(s, "AVX2", amx=True) == []
+
+
+def test_isa_dependent_refusals():
+    from lowbit.engines.support import EngineUnsupported, FolderSchemes, GroupScheme, check_supported
+
+    int4 = FolderSchemes("/x/w4", (GroupScheme("group_0", "W4A16 INT4", "pack-quantized", {}, None),), None, "bfloat16")
+    kv = FolderSchemes("/x/kv", (), {"num_bits": 8}, "bfloat16")
+    for s, word in ((int4, "cpu_gemm_wna16"), (kv, "AVX-512")):
+        with pytest.raises(EngineUnsupported, match=word):
+            check_supported(s, "cpu", "AVX2")
+        check_supported(s, "cpu", "AVX512")
+        check_supported(s, "cpu", "AVX2", amx=True)

@@ -43,6 +43,8 @@ CPU_SUPPORT: dict[str, tuple[bool, str]] = {
 #: checks these when it builds its kernels (measured on an AVX2-only EPYC, 2026-12-01)
 CPU_NEEDS: dict[str, tuple[str, str]] = {
     "KV FP8": ("AVX512", "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"),
+    "W4A16 INT4": ("AVX512", "the AVX2 build of vLLM's CPU kernels has no cpu_gemm_wna16 "
+                             "(AttributeError: '_C' object has no attribute 'cpu_gemm_wna16')"),
 }
 
 
