@@ -96,6 +96,9 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
     assert _engine_error("vllm.exceptions.VLLMValidationError: The decoder prompt (length 512) is too long\n") == \
         "VLLMValidationError: The decoder prompt (length 512) is too long"
     assert _engine_error("") == "no output"
+    dead = ("(Worker pid=1) ERROR [x.py:1] AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'\n"
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above)\n")
+    assert _engine_error(dead) == "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
 
 
 def test_cpu_caveat_for_int8_without_vnni():

@@ -126,7 +126,8 @@ class Verification:
 
 _ERROR_LINE = re.compile(r"(?:^|\s|\.)([A-Z]\w*(?:Error|Exception)): (.+)$")
 #: vLLM's wrappers around a worker's exception: the root cause is logged before them
-_WRAPPERS = ("Engine core initialization failed", "Worker failed with error")
+_WRAPPERS = ("Engine core initialization failed", "Worker failed with error", "EngineCore encountered an issue",
+             "EngineDeadError")
 
 
 def _engine_error(log: str) -> str:
