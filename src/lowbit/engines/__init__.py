@@ -9,6 +9,7 @@ compute with lowbit's prediction of the same checkpoint.
 - :mod:`.vllm_worker` — a script the vLLM environment's python runs (vLLM, stdlib and
   numpy only: that environment has no lowbit);
 - :mod:`.scoring` — PPL, KL and top-1 agreement from top-k log-probabilities;
+- :mod:`.bf16` — lowbit's bf16 Linears as fp32 products of bf16 operands (fast on AVX2);
 - :mod:`.verify` — ``lowbit verify``: the engine's scores beside lowbit's.
 
 May import evaluation, checkpoint, quantization, models, data, numerics and util; never
