@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_export(sub)
     register_sim(sub)
+    from .verify import register as register_verify; register_verify(sub)  # noqa: E702
     return p
 
 

@@ -3,7 +3,10 @@
 Keys arrive after RoPE (and after QK-norm where the architecture has it), shaped
 ``(batch, kv_heads, seq, head_dim)``.  They are fake-quantized on the way into the cache,
 so attention reads what a quantized cache would hold — the current token's K and V
-included, as a paged FP8 cache in vLLM does.  Works with transformers' ``DynamicCache``
+included, as a paged FP8 cache in vLLM does: every read, in prefill as in decode, sees
+quantized K/V.  (vLLM 0.32's CPU backend writes each step's K/V into the paged cache and then
+attends over the cache only; its FlashAttention backend does the same, and with an FP8 cache
+on FA3 also quantizes the queries to FP8, which this model does not.)  Works with transformers' ``DynamicCache``
 built from the model config, so Gemma-3's sliding-window layers keep their own layout.
 """
 

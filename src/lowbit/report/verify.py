@@ -1,0 +1,61 @@
+"""Rendering of ``lowbit verify`` results (:class:`lowbit.engines.verify.Verification`)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from .tables import num
+
+__all__ = ["verify_table", "check_line", "noise_line", "refused_lines"]
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * (a / b - 1):+.2f}%" if b else "—"
+
+
+def verify_table(v) -> Table:
+    """One row per checkpoint: the engine's PPL, lowbit's prediction, the reference, KL and
+    top-1 between lowbit and the engine, the noise floor and whether the targets hold."""
+    eng = v.engine
+    t = Table(title=f"{v.model}: vLLM {eng.get('version')} ({eng.get('platform')}) against lowbit's prediction — "
+                    f"{v.corpus}, {v.windows} windows × {v.seq_len} tokens, top-{v.k} prompt log-probs",
+              title_justify="left")
+    cols = ("checkpoint", "dtype / KV", "vLLM PPL", "lowbit PPL", "Δ (vLLM−lowbit)", "≤ 2×noise", "reference PPL",
+            "KL(lowbit‖vLLM)", "KL(ref‖lowbit)", "ratio ≤ 0.2", "top-1", "vLLM s", "lowbit s")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("checkpoint", "dtype / KV") else "right", no_wrap=c == "checkpoint")
+    if v.noise is not None:
+        n = v.noise
+        t.add_row("unquantized (noise floor)", f"{v.noise_request.dtype} / auto", num(n.engine_ppl, 6),
+                  num(n.lowbit_ppl, 6), num(n.delta_ppl, 3), "—", "—", num(n.kl, 3), "—", "—", f"{n.top1:.4f}",
+                  "", "")
+    for c in v.checks:
+        p = c.pair
+        kv = c.engine.get("kv_cache_dtype", "?")
+        if c.request.chunk:
+            kv += f" (chunks of {c.request.chunk})"
+        t.add_row(c.recipe, f"{c.engine.get('dtype', c.request.dtype)} / {kv}", num(p.engine_ppl, 6),
+                  num(p.lowbit_ppl, 6), f"{num(p.delta_ppl, 3)} ({_pct(p.engine_ppl, p.lowbit_ppl)})",
+                  "yes" if c.ppl_ok else f"no (> {num(c.ppl_target, 2)})", num(c.reference_ppl, 6), num(p.kl, 3),
+                  num(p.kl_reference, 3), ("yes" if c.kl_ok else "no") + f" ({num(c.kl_ratio, 2)})",
+                  f"{p.top1:.4f}", f"{c.engine_seconds:.0f}", f"{c.lowbit_seconds:.0f}")
+    return t
+
+
+def check_line(c) -> str:
+    """A one-line summary of one checkpoint, printed as soon as it is done."""
+    p = c.pair
+    return (f"{c.recipe}: vLLM {p.engine_ppl:.4f}, lowbit {p.lowbit_ppl:.4f} (Δ {p.delta_ppl:+.4f}, target "
+            f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KL(lowbit‖vLLM) {p.kl:.2e} = "
+            f"{num(c.kl_ratio, 2)} × KL(ref‖lowbit) {num(p.kl_reference, 3)} ({'ok' if c.kl_ok else 'MISS'}); "
+            f"top-1 {p.top1:.4f}; {c.engine_seconds:.0f} s vLLM + {c.lowbit_seconds:.0f} s lowbit")
+
+
+def noise_line(n) -> str:
+    """The noise floor (unquantized model: vLLM against lowbit, same dtype), printed when known."""
+    return (f"noise floor (unquantized): vLLM {n.engine_ppl:.4f}, lowbit {n.lowbit_ppl:.4f} (Δ {n.delta_ppl:+.4f}); "
+            f"KL(lowbit‖vLLM) {n.kl:.2e}; top-1 {n.top1:.4f}")
+
+
+def refused_lines(v) -> list[str]:
+    return [f"not verified: {why}" for _, why in v.refused]
