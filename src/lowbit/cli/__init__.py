@@ -228,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_export(sub)
     register_sim(sub)
+    from .plan import register as register_plan; register_plan(sub)  # noqa: E702
     return p
 
 

@@ -246,20 +246,19 @@ class Workbench:
 
 def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], None] | None = None) -> Comparison:
     """The reference and each recipe (a preset name or YAML path), evaluated on ``bench``."""
+    from .rowcache import cached_row, is_cached
+
     parsed = [load_recipe(r) for r in recipes]  # bad names fail before any work
     result = bench.describe()
     result.rows.append(bench.reference_row())
-    if any(r.needs_calibration and not r.algorithms.layerwise for r in parsed):
+    if any(r.needs_calibration and not r.algorithms.layerwise and not is_cached(bench, r) for r in parsed):
         bench.stats  # calibrate once, up front, so that stage times stay separate
     if on_row:
         on_row(result.rows[-1])
     for r in parsed:
-        t0 = time.perf_counter()
-        result.rows.append(bench.run(r))
-        bench.stage_seconds[f"config {r.name}"] = time.perf_counter() - t0
+        result.rows.append(cached_row(bench, r))  # a row evaluated before is read from <cache>/rows
         e = result.rows[-1].eval
-        log.info("%s: perplexity %.3f (%+.2f%%), KL %.4f, top-1 %.3f, %.0f s", r.name, e.ppl, e.delta_pct,
-                 e.kl_mean, e.top1, bench.stage_seconds[f"config {r.name}"])
+        log.info("%s: perplexity %.3f (%+.2f%%), KL %.4f, top-1 %.3f", r.name, e.ppl, e.delta_pct, e.kl_mean, e.top1)
         if on_row:
             on_row(result.rows[-1])
     result.stage_seconds = dict(bench.stage_seconds)
