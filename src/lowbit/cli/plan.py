@@ -76,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = Target.of(args.gpu, args.tp, bench.info.path, args.serve_as, name=bench.info.name)
     recipe_dir = str(Path(args.report) / "recipes") if args.report else "."
     result = plan(bench, cands, target, load, budget, model_arg=args.model, curves=8 if args.report else 0,
-                  progress=not args.no_progress, recipe_dir=recipe_dir)
+                  progress=not args.no_progress, measure_all=args.measure_all, recipe_dir=recipe_dir)
     con = Console(width=None if Console().is_terminal else 220)
     con.print(render.plan_table(result))
     for line in render.recommendation_lines(result):
@@ -127,6 +127,8 @@ def register(subparsers) -> None:
     b.add_argument("--max-kl", help="accuracy budget: mean KL divergence per token, e.g. 0.02")
     b.add_argument("--max-task-drop", metavar="PTS", help="task-accuracy budget (needs task benchmarks, issue 15)")
     p.add_argument("--report", metavar="DIR", help="write a folder: index.md, plan.json, pareto.png, latency.png")
+    p.add_argument("--measure-all", action="store_true",
+                   help="also measure the FP8-KV variant of a candidate whose whole interval is over the budget")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _eval_options(p)
     p.set_defaults(func=cmd_plan)

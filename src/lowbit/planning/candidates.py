@@ -43,11 +43,14 @@ BASELINE = "bf16"
 @dataclass(frozen=True)
 class Candidate:
     """One option: ``recipe`` is what gets measured (``None``: the unquantized model),
-    ``plan`` how the simulator sizes and times it (before a GPU's lane fallback)."""
+    ``plan`` how the simulator sizes and times it (before a GPU's lane fallback); ``base``
+    the candidate it extends with a KV-cache recipe (``fp8-dynamic`` for
+    ``fp8-dynamic+kv-fp8``), or ``None``."""
 
     name: str
     recipe: Recipe | None
     plan: Plan
+    base: str | None = None
 
     @property
     def description(self) -> str:
@@ -56,7 +59,7 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description,
                 "recipe": self.recipe.name if self.recipe is not None else None,
-                "plan": self.plan.to_dict(), "sim_plan": sim_plan_name(self.plan)}
+                "base": self.base, "plan": self.plan.to_dict(), "sim_plan": sim_plan_name(self.plan)}
 
 
 def _lane(fmt: Format) -> str:
@@ -134,7 +137,7 @@ def parse_candidate(text: str) -> Candidate:
         if kv.rules or kv.kv_cache is None:
             raise ValueError(f"candidate {text!r}: '+{e}' must be a KV-cache-only recipe such as {DEFAULT_KV}")
         recipe = kv if recipe is None else _with_kv(recipe, kv)  # bf16+kv-fp8 is the kv-fp8 preset itself
-    return Candidate(text, recipe, recipe_plan(recipe, text))
+    return Candidate(text, recipe, recipe_plan(recipe, text), base if extras else None)
 
 
 def default_candidates(gpu: GPU, pool: tuple[str, ...] = DEFAULT_POOL, kv: str | None = DEFAULT_KV) -> list[Candidate]:

@@ -9,6 +9,7 @@ Accuracy rows come from the row cache that ``lowbit compare`` fills
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,20 +76,26 @@ class Option:
     """One row of the plan: a candidate, its measured accuracy and its capacity."""
 
     candidate: Candidate
-    accuracy: Row
+    accuracy: Row | None  # None: not measured (its base is certainly over the budget)
     capacity: Capacity
-    loss: float
+    loss: float  # inf when not measured
     within_budget: bool
+
+    @property
+    def measured(self) -> bool:
+        return self.accuracy is not None
 
     def point(self, context: int) -> Point:
         c, m = self.capacity, self.capacity.memory
+        bits = self.accuracy.weight_bits if self.accuracy else float("nan")
         return Point(self.candidate.name, self.loss, c.fits, c.rate if c.fits else 0.0, c.low_load_tpot,
-                     m.weights_per_gpu + m.kv_per_token * context, m.weights_per_gpu, self.accuracy.weight_bits,
+                     m.weights_per_gpu + m.kv_per_token * context, m.weights_per_gpu, bits,
                      c.plan.lane, c.plan.weight_only, c.plan.kv_bytes, c.binding, m.kv_capacity_tokens)
 
     def to_dict(self) -> dict:
-        return {"candidate": self.candidate.to_dict(), "accuracy": self.accuracy.to_dict(),
-                "capacity": self.capacity.to_dict(), "loss": self.loss, "within_budget": self.within_budget}
+        return {"candidate": self.candidate.to_dict(), "accuracy": self.accuracy.to_dict() if self.accuracy else None,
+                "capacity": self.capacity.to_dict(), "loss": self.loss if self.measured else None,
+                "within_budget": self.within_budget}
 
 
 @dataclass(frozen=True)
@@ -120,15 +127,30 @@ class PlanResult:
                 "notes": list(self.notes), "stage_seconds": dict(self.stage_seconds)}
 
 
-def _accuracy(bench: Workbench, candidates: list[Candidate], progress: bool) -> list[Row]:
+def _accuracy(bench: Workbench, candidates: list[Candidate], budget: Budget, measure_all: bool,
+              progress: bool) -> list[Row | None]:
+    """Rows in candidate order: bases first, then the KV variants — a variant whose base is
+    certainly over the budget (its whole interval above the limit) is left unmeasured
+    (``None``) unless ``measure_all`` or its row is cached: quantizing the KV cache as well
+    only adds error (kv-fp8 alone costs SmolLM2 +0.6%)."""
     todo = [c.recipe for c in candidates if c.recipe is not None and not is_cached(bench, c.recipe)]
     if any(r.needs_calibration and not r.algorithms.layerwise for r in todo):
         bench.stats  # calibrate once, up front (as compare does)
-    rows = []
-    for c, stage in staged_progress(candidates, "accuracy", enabled=progress):
+    names = {c.name for c in candidates}
+    order = sorted(range(len(candidates)), key=lambda i: candidates[i].base in names)
+    rows: dict[int, Row | None] = {}
+    for i, stage in staged_progress(order, "accuracy", enabled=progress):
+        c = candidates[i]
         stage(c.name)
-        rows.append(bench.reference_row() if c.recipe is None else cached_row(bench, c.recipe))
-    return rows
+        base = next((rows[j] for j in rows if candidates[j].name == c.base), None)
+        if c.recipe is None:
+            rows[i] = bench.reference_row()
+        elif (base is not None and budget.certainly_over(base.eval) and not measure_all
+              and not is_cached(bench, c.recipe)):
+            rows[i] = None
+        else:
+            rows[i] = cached_row(bench, c.recipe)
+    return [rows[i] for i in range(len(candidates))]
 
 
 def _curve_rates(caps: list[Capacity], points: int) -> tuple[float, ...]:
@@ -137,7 +159,7 @@ def _curve_rates(caps: list[Capacity], points: int) -> tuple[float, ...]:
 
 
 def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Load, budget: Budget, *,
-         model_arg: str | None = None, curves: int = 0, progress: bool = True,
+         model_arg: str | None = None, curves: int = 0, progress: bool = True, measure_all: bool = False,
          recipe_dir: str = ".") -> PlanResult:
     """Measure (or read) each candidate's accuracy on ``bench``, simulate it on ``target``
     under ``load``, and recommend within ``budget``.
@@ -148,6 +170,7 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         model_arg: the model as the user named it, for the commands (default the bench's name).
         curves: latency-curve points per fitting candidate (0: none).
         progress: progress bars on a terminal.
+        measure_all: also measure KV variants of candidates certainly over the budget.
         recipe_dir: where the commands expect a non-preset recipe's YAML.
     """
     if not candidates:
@@ -157,7 +180,7 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         raise ValueError(f"candidates repeat: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
-    rows = _accuracy(bench, candidates, progress)
+    rows = _accuracy(bench, candidates, budget, measure_all, progress)
     secs["accuracy"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     caps = []
@@ -166,8 +189,8 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         caps.append(capacity_for(c.name, c.plan, target.shape, target.gpu, target.kernels, target.engine, load,
                                  bench.cache))
     secs["simulation"] = time.perf_counter() - t0
-    options = tuple(Option(c, r, cap, budget.loss(r.eval), budget.loss(r.eval) <= budget.limit)
-                    for c, r, cap in zip(candidates, rows, caps))
+    loss = [math.inf if r is None else budget.loss(r.eval) for r in rows]
+    options = tuple(Option(c, r, cap, x, x <= budget.limit) for c, r, cap, x in zip(candidates, rows, caps, loss))
     ctx = load.context
     usable = target.gpu.memory_gib * 2**30 * target.engine.gpu_memory_utilization - target.engine.reserved_gb * 1e9
     rec = recommend([o.point(ctx) for o in options], budget, load.slo.ttft, load.slo.tpot,
@@ -196,6 +219,10 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
     notes = tuple(f"{cap.candidate}: {target.gpu.name} has no {c.plan.lane} tensor cores, so it runs weight-only on the "
                   "BF16 lane (as vLLM does); its accuracy row is still the recipe's own"
                   for c, cap in zip(candidates, caps) if cap.fell_back)
+    skipped = [c.name for c, r in zip(candidates, rows) if r is None]
+    if skipped:
+        notes += (f"not measured: {', '.join(skipped)} — each adds a KV cache to a candidate whose whole 95% "
+                  f"interval is already over the budget ({budget.describe()}); --measure-all measures them too",)
     if bench.info.reference_note:
         notes += (bench.info.reference_note,)
     d = bench.describe()

@@ -57,6 +57,11 @@ class Budget:
         v = ev.delta_pct if self.metric == "ppl" else ev.kl_mean
         return 0.0 if v is None else float(v)
 
+    def certainly_over(self, ev) -> bool:
+        """The whole 95% interval of ``ev``'s loss lies above the limit."""
+        ci = ev.delta_ci if self.metric == "ppl" else ev.kl_ci
+        return ci is not None and ci[0] > self.limit
+
     def describe(self) -> str:
         return f"perplexity at most +{self.limit:g}%" if self.metric == "ppl" else f"mean KL at most {self.limit:g}"
 
@@ -152,9 +157,11 @@ def recommend(points: list[Point], budget: Budget, slo_ttft: float | None = None
     """Eligible set, picks with reasons, and both Pareto fronts (rate over fitting candidates,
     memory over all) of ``points``."""
     fit = [p for p in points if p.fits]
-    fr = pareto_front([(p.loss, p.rate) for p in fit])
-    fm = pareto_front([(p.loss, -p.memory) for p in points])
-    front_rate, front_memory = tuple(fit[i].name for i in fr), tuple(points[i].name for i in fm)
+    measured = [p for p in points if math.isfinite(p.loss)]  # an unmeasured candidate (loss inf) is on no front
+    fit_measured = [p for p in fit if math.isfinite(p.loss)]
+    fr = pareto_front([(p.loss, p.rate) for p in fit_measured])
+    fm = pareto_front([(p.loss, -p.memory) for p in measured])
+    front_rate, front_memory = tuple(fit_measured[i].name for i in fr), tuple(measured[i].name for i in fm)
     eligible = [p for p in fit if p.loss <= budget.limit]
     names = tuple(p.name for p in eligible)
     if not fit:

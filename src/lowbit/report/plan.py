@@ -37,9 +37,13 @@ def _rows(r) -> list[tuple[str, ...]]:
     """One tuple of display strings per option (shared by the rich table and the Markdown page)."""
     rec, out = r.recommendation, []
     for o in r.options:
-        e, c, m = o.accuracy.eval, o.capacity, o.capacity.memory
-        delta = "0 (reference)" if e.delta_pct is None else f"{e.delta_pct:+.2f}" + (
-            f" [{e.delta_ci[0]:+.1f}, {e.delta_ci[1]:+.1f}]" if e.delta_ci else "")
+        c, m = o.capacity, o.capacity.memory
+        if o.accuracy is None:
+            e, delta = None, "not measured"
+        else:
+            e = o.accuracy.eval
+            delta = "0 (reference)" if e.delta_pct is None else f"{e.delta_pct:+.2f}" + (
+                f" [{e.delta_ci[0]:+.1f}, {e.delta_ci[1]:+.1f}]" if e.delta_ci else "")
         mark = []
         if o.candidate.name == rec.pick:
             mark.append("PICK")
@@ -52,12 +56,13 @@ def _rows(r) -> list[tuple[str, ...]]:
         lane = c.plan.lane + (" W-only" if c.plan.weight_only else "") + (" (fallback)" if c.fell_back else "")
         rate = "—" if c.max_rate is None else f"{c.max_rate.median:.2f} [{c.max_rate.low:.2f}–{c.max_rate.high:.2f}]"
         out.append((
-            o.candidate.name, lane, delta, "—" if e.kl_mean is None else f"{e.kl_mean:.4f}",
-            "—" if e.top1 is None else f"{e.top1:.3f}", f"{o.accuracy.weight_bits:.2f}",
+            o.candidate.name, lane, delta, "—" if e is None or e.kl_mean is None else f"{e.kl_mean:.4f}",
+            "—" if e is None or e.top1 is None else f"{e.top1:.3f}",
+            "—" if o.accuracy is None else f"{o.accuracy.weight_bits:.2f}",
             _gb(m.weights_per_gpu), f"{m.kv_per_token / 1024:,.0f} KiB",
             f"{m.kv_capacity_tokens:,} tok" if c.fits else "DOES NOT FIT",
             "—" if c.low_load_tpot is None else f"{c.low_load_tpot * 1e3:.2f} ms", rate, c.binding or "—",
-            "yes" if o.within_budget else "no", ", ".join(mark),
+            "yes" if o.within_budget else ("?" if o.accuracy is None else "no"), ", ".join(mark),
         ))
     return out
 
@@ -123,7 +128,7 @@ def plot_pareto(r, path: str | Path) -> Path:
         (b, lambda o: (o.capacity.memory.weights_per_gpu + o.capacity.memory.kv_per_token * r.load.context) / 1e9,
          rec.front_memory, "weights + one conversation's KV per GPU (GB)"),
     ):
-        opts = [o for o in r.options if o.capacity.fits or ax is b]
+        opts = [o for o in r.options if o.measured and (o.capacity.fits or ax is b)]
         for o in opts:
             on = o.candidate.name in front
             ax.scatter(o.loss, key(o), s=60 if on else 30, color="C3" if o.candidate.name == rec.pick else
