@@ -136,3 +136,11 @@ def test_kv_variant_of_a_candidate_certainly_over_budget_is_not_measured(bench, 
     json.dumps(r.to_dict(), default=float)
     full = _plan(bench, load, names, budget=Budget("kl", limit), measure_all=True)
     assert full.option("w4a16-int4-tensor+kv-fp8").accuracy.eval.kl_mean > limit
+
+
+def test_recipes_that_serve_alike_share_one_simulation(bench, load):
+    r = _plan(bench, load, ["w4a16-int4-g128", "w4a16-gptq-g128"], gpu="l40s")
+    rtn, gptq = r.option("w4a16-int4-g128"), r.option("w4a16-gptq-g128")
+    assert not rtn.capacity.cached and gptq.capacity.cached  # same schemes, lane and KV: simulated once
+    assert gptq.capacity.max_rate == rtn.capacity.max_rate and gptq.capacity.plan.name == "w4a16-gptq-g128"
+    assert gptq.accuracy.eval.kl_mean != rtn.accuracy.eval.kl_mean  # but measured apart

@@ -2,7 +2,7 @@
 and the latency curves — from the simulator, cached per configuration.
 
 A result is keyed by everything that decides it (lowbit version, model shape, the plan as the
-GPU runs it, the GPU's row, kernel costs, engine settings, the load and, for curves, the
+GPU runs it — its schemes, lane and KV width, not its name —, the GPU's row, kernel costs, engine settings, the load and, for curves, the
 rates), and stored as JSON under ``<cache>/sim/``; planning again for the same configuration
 reads it back instead of simulating.
 """
@@ -141,6 +141,12 @@ def _from_dict(d: dict) -> Capacity:
     return Capacity(**d)
 
 
+def _unnamed(plan: Plan) -> dict:
+    """A plan's identity for the cache: its schemes, lane and KV width — two recipes that
+    differ only in calibration (RTN or GPTQ INT4) serve alike and share one simulation."""
+    return {k: v for k, v in plan.to_dict().items() if k != "name"}
+
+
 def resolved(plan: Plan, gpu: GPU) -> tuple[Plan, bool]:
     """``plan`` as ``gpu`` runs it, and whether its lane fell back (no warning: the caller reports it)."""
     with warnings.catch_warnings():
@@ -175,11 +181,13 @@ def capacity_for(name: str, plan: Plan, shape: ModelShape, gpu: GPU, kernels: Ke
     weights do not fit gets its memory report and ``None`` elsewhere.
     """
     sc, fell = _scenario(shape, plan, gpu, kernels, engine)
-    key = _key("capacity", shape.to_dict(), sc.plan.to_dict(), gpu.to_dict(), asdict(kernels), engine.to_dict(),
+    key = _key("capacity", shape.to_dict(), _unnamed(sc.plan), gpu.to_dict(), asdict(kernels), engine.to_dict(),
                load.to_dict())
     path = None if cache is None else Path(cache) / "sim" / f"capacity-{key}.json"
     if path is not None and path.exists():
-        return replace(_from_dict(json.loads(path.read_text())), candidate=name, seconds=0.0, cached=True)
+        got = _from_dict(json.loads(path.read_text()))
+        return replace(got, candidate=name, plan=sc.plan, memory=replace(got.memory, plan=sc.plan.name), seconds=0.0,
+                       cached=True)
     t0 = time.perf_counter()
     mem = sc.memory(load.context)
     ttft = tpot = rate = binding = excess = None
@@ -201,7 +209,7 @@ def curve_for(name: str, plan: Plan, shape: ModelShape, gpu: GPU, kernels: Kerne
     """TTFT / TPOT p50 and p99 of ``plan`` at each of ``rates`` (seed = the load's first), cached like
     :func:`capacity_for`."""
     sc, _ = _scenario(shape, plan, gpu, kernels, engine)
-    key = _key("curve", shape.to_dict(), sc.plan.to_dict(), gpu.to_dict(), asdict(kernels), engine.to_dict(),
+    key = _key("curve", shape.to_dict(), _unnamed(sc.plan), gpu.to_dict(), asdict(kernels), engine.to_dict(),
                load.to_dict(), list(rates))
     path = None if cache is None else Path(cache) / "sim" / f"curve-{key}.json"
     if path is not None and path.exists():
