@@ -140,8 +140,13 @@ def _why_capacity(p: Point, others: list[Point], slo_ttft: float | None, slo_tpo
 
     if p.binding == "tpot":
         head = f"TPOT-bound at this load ({target('TPOT', slo_tpot)})"
-        how = ("weight-only helps: its decode reads " if p.weight_only else f"the {lane} and ") + \
-            f"{p.weight_bits:.1f}-bit weights"
+        if p.weight_only:
+            how = f"weight-only helps: its decode reads {p.weight_bits:.1f}-bit weights"
+        elif p.lane != "bf16":
+            how = f"the {lane} and {p.weight_bits:.1f}-bit weights cut decode time"
+        else:
+            how = "no candidate within the budget reads fewer weight bytes, so the KV cache decides" if \
+                p.kv_bytes == 1.0 else "no candidate within the budget decodes faster"
     elif p.binding == "ttft":
         head = f"prefill-bound at this load ({target('TTFT', slo_ttft)})"
         how = f"needs a faster math lane than BF16: the {lane} prefills faster" if p.lane != "bf16" else \

@@ -10,9 +10,8 @@ from pathlib import Path
 from rich.table import Table
 
 from ..util.io import atomic_dir
-from .capacity import plot_curves
 
-__all__ = ["plan_table", "recommendation_lines", "plot_pareto", "markdown", "write_report", "REPORT_FILES"]
+__all__ = ["plan_table", "recommendation_lines", "plot_pareto", "plot_latency", "markdown", "write_report", "REPORT_FILES"]
 
 #: what a report folder holds (``latency.png`` only when the curves were computed)
 REPORT_FILES = ("index.md", "plan.json", "pareto.png", "latency.png")
@@ -151,6 +150,37 @@ def plot_pareto(r, path: str | Path) -> Path:
     return path
 
 
+def plot_latency(r, path: str | Path) -> Path:
+    """TTFT and TPOT p99 against request rate, one line per candidate, the SLO targets dashed;
+    the legend beside the panels (candidates that serve alike draw on top of each other)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6))
+    styles = ["-", "--", ":", "-."]
+    for i, c in enumerate(r.curves):
+        kw = {"color": f"C{i % 10}", "ls": styles[(i // 10) % 4], "lw": 1.3, "label": c.plan}
+        a.plot(c.rates, [x * 1e3 for x in c.ttft_p99], **kw)
+        b.plot(c.rates, [x * 1e3 for x in c.tpot_p99], **kw)
+    slo = r.load.slo
+    for ax, target in ((a, slo.ttft), (b, slo.tpot)):
+        if target:
+            ax.axhline(target * 1e3, color="k", ls="--", lw=0.8)
+    q = f"p{slo.percentile:g}"
+    a.set(xlabel="request rate (req/s)", ylabel=f"TTFT {q} (ms)", yscale="log", title="time to first token")
+    b.set(xlabel="request rate (req/s)", ylabel=f"TPOT {q} (ms)", title="time per output token (dashed: SLO)")
+    handles, labels = a.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
+    fig.suptitle(f"{r.target.shape.name} on {r.target.gpu.name} × {r.target.tp} (simulated, seed {r.load.seeds[0]})")
+    fig.tight_layout(rect=(0, 0, 0.83, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def markdown(r, files: dict[str, str]) -> str:
     """The report page; ``files`` maps plot names (``pareto``, ``latency``) to file names in the folder."""
     out = [f"# lowbit plan: {r.model} → {r.target.shape.name} on {r.target.gpu.name} × {r.target.tp}", ""]
@@ -194,8 +224,7 @@ def write_report(r, folder: str | Path, force: bool = False) -> Path:
     with atomic_dir(folder, force=force) as tmp:
         files = {"pareto": plot_pareto(r, tmp / "pareto.png").name}
         if r.curves:
-            files["latency"] = plot_curves(list(r.curves), tmp / "latency.png",
-                                           title=f"{r.target.shape.name} on {r.target.gpu.name} × {r.target.tp}").name
+            files["latency"] = plot_latency(r, tmp / "latency.png").name
         for c in r.commands:
             if c.recipe_yaml:
                 p = tmp / "recipes" / Path(c.recipe_file).name
@@ -203,4 +232,5 @@ def write_report(r, folder: str | Path, force: bool = False) -> Path:
                 p.write_text(c.recipe_yaml)
         (tmp / "plan.json").write_text(json.dumps(r.to_dict(), indent=2, default=float) + "\n")
         (tmp / "index.md").write_text(markdown(r, files))
+        tmp.chmod(0o755)  # mkdtemp made it private; a report is for reading
     return folder
