@@ -8,7 +8,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NATIVE_GPUS", "ServePlan", "serve_plan"]
+__all__ = ["NATIVE_GPUS", "ServePlan", "serve_plan", "serve_commands"]
 
 #: (format, weights quantized with activations?) → where it runs natively, and elsewhere
 NATIVE_GPUS: dict[tuple[str, bool], tuple[str, str]] = {
@@ -60,6 +60,16 @@ class ServePlan:
         return "\n".join(lines)
 
 
+def serve_commands(folder: Path | str, kv_fp8: bool, max_model_len: int = 4096, tp: int = 1) -> tuple[str, str]:
+    """The vLLM and SGLang commands that serve ``folder`` (an FP8 KV cache needs its flag)."""
+    path = shlex.quote(str(folder))
+    par = f" --tensor-parallel-size {tp}" if tp > 1 else ""
+    vllm = f"vllm serve {path} --max-model-len {max_model_len}{par}" + (" --kv-cache-dtype fp8" if kv_fp8 else "")
+    sglang = f"python -m sglang.launch_server --model-path {path}" + (f" --tp-size {tp}" if tp > 1 else "") + \
+        (" --kv-cache-dtype fp8_e4m3" if kv_fp8 else "")
+    return vllm, sglang
+
+
 def serve_plan(folder: Path, max_model_len: int = 4096) -> ServePlan:
     """The serving commands for an exported compressed-tensors folder.
 
@@ -74,9 +84,7 @@ def serve_plan(folder: Path, max_model_len: int = 4096) -> ServePlan:
         raise ValueError(f"{folder} is not a compressed-tensors checkpoint (quantization_config.quant_method is "
                          f"{qc.get('quant_method')!r}); write one with `lowbit quantize`")
     kv = qc.get("kv_cache_scheme") is not None
-    path = shlex.quote(str(folder))
-    vllm = f"vllm serve {path} --max-model-len {max_model_len}" + (" --kv-cache-dtype fp8" if kv else "")
-    sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
+    vllm, sglang = serve_commands(folder, kv, max_model_len)
     schemes = []
     for name, g in sorted(qc.get("config_groups", {}).items()):
         fmt, acts = g.get("format") or qc.get("format"), g.get("input_activations") is not None

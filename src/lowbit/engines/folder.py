@@ -18,7 +18,6 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..models.offload import checkpoint_files, read_tensors

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..evaluation.compare import Workbench, _digest, model_fingerprint
+from ..evaluation.workbench import Workbench, _digest, model_fingerprint
 from ..evaluation.metrics import window_metrics
 from ..models.assets import cache_dir
 from ..models.loading import load_model

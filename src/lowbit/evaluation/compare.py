@@ -7,268 +7,39 @@ evaluated on the same windows against the same reference.
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import logging
-import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from torch import nn
 
-from ..data import windows as data
-from ..models.assets import cache_dir
-from ..util.io import write_json
-from ..models.loading import ModelInfo, load_model
-from ..quantization.calibrate import CalibStats, collect_stats
-from .metrics import DEFAULT_TOPK, Eval, Reference, evaluate, reference_predictions, summarize_reference
-from ..quantization.pipeline import quantize
+from ..models.loading import load_model
 from ..quantization.recipe import Recipe, load_recipe
-from ..quantization.runtime import QuantState, plain_forward, quantized_execution
-from ..numerics.scheme import bits_per_element
-from ..util.io import CorruptFile, discard_corrupt
+from ..util.io import write_json
+from .rowcache import cached_row, is_cached
+from .workbench import (HIGH_PRECISION_BITS, Comparison, Row, Workbench, kv_bits, model_fingerprint,  # noqa: F401
+                        weight_bits)
 
-__all__ = ["Row", "Comparison", "Workbench", "compare", "weight_bits", "kv_bits"]
+__all__ = ["Row", "Comparison", "Workbench", "compare", "weight_bits", "kv_bits", "load_candidate",
+           "evaluate_against_reference", "save_json"]
 
 log = logging.getLogger(__name__)
 
-#: storage of an unquantized weight or KV entry in deployment (bf16)
-HIGH_PRECISION_BITS = 16.0
-
-
-@dataclass(frozen=True)
-class Row:
-    recipe: str
-    description: str
-    eval: Eval
-    weight_bits: float  # storage bits per element over the decoder's Linear weights
-    kv_bits: float
-    quantize_seconds: float
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["eval"] = self.eval.to_dict()
-        return d
-
-
-@dataclass
-class Comparison:
-    model: str
-    corpus: str
-    split: str
-    windows: int
-    seq_len: int
-    tokens: int
-    seed: int
-    calibration_windows: int
-    kl_topk: int
-    reference_note: str
-    rows: list[Row] = field(default_factory=list)
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["rows"] = [r.to_dict() for r in self.rows]
-        return d
-
-
-def weight_bits(model: nn.Module, state: QuantState | None) -> float:
-    """Storage bits per element over the Linear weights of the decoder layers (lm_head
-    and embeddings excluded); unquantized weights count as bf16."""
-    total = bits = 0.0
-    schemes = state.weight_schemes if state else {}
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name != "lm_head" and ".layers." in f".{name}":
-            n = m.weight.numel()
-            s = schemes.get(name)
-            bits += n * (bits_per_element(s, tuple(m.weight.shape)) if s else HIGH_PRECISION_BITS)
-            total += n
-    return bits / total if total else HIGH_PRECISION_BITS
-
-
-def kv_bits(recipe: Recipe | None) -> float:
-    """Bits per cached K/V element, averaged over keys and values (scales excluded)."""
-    kv = recipe.kv_cache if recipe else None
-    if kv is None:
-        return HIGH_PRECISION_BITS
-    k = kv.scheme.format.bits if kv.keys else HIGH_PRECISION_BITS
-    v = kv.v_scheme.format.bits if kv.values else HIGH_PRECISION_BITS
-    return (k + v) / 2
-
-
-def _digest(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p.numpy().tobytes() if isinstance(p, torch.Tensor) else str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def model_fingerprint(info: ModelInfo) -> str:
-    """Identity of a model's weights on disk: folder, config and weight-file sizes and times."""
-    p = Path(info.path)
-    parts = [str(p.resolve())]
-    if (p / "config.json").exists():
-        parts.append((p / "config.json").read_text())
-    for f in sorted(p.glob("*.safetensors")):
-        st = f.stat()
-        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    return _digest(*parts)
-
-
-@dataclass
-class Workbench:
-    """A loaded model with its evaluation windows, calibration windows, cached reference
-    and cached calibration statistics: everything configurations are compared on."""
-
-    model: nn.Module
-    tokenizer: object
-    info: ModelInfo
-    windows: torch.Tensor
-    calib_windows: torch.Tensor
-    corpus: str
-    seed: int
-    cache: Path
-    kl_topk: int = DEFAULT_TOPK
-    progress: bool = True
-    workers: int | None = None  # processes sharing the windows; None: lowbit.util.parallel.default_workers()
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    _reference: Reference | None = None
-    _stats: CalibStats | None = None
-
-    @classmethod
-    def load(
-        cls,
-        model: str,
-        *,
-        corpus: str = "wiki",
-        windows: int = 64,
-        seq_len: int = 512,
-        calib_windows: int = 128,
-        seed: int = 0,
-        cache: Path | None = None,
-        kl_topk: int = DEFAULT_TOPK,
-        progress: bool = True,
-        workers: int | None = None,
-        loader: Callable = load_model,
-    ) -> "Workbench":
-        cache = cache_dir(cache)
-        t0 = time.perf_counter()
-        m, tok, info = loader(model, cache=cache)
-        t1 = time.perf_counter()
-        bos = tok.bos_token_id if info.needs_bos else None
-        win = data.windows_for(tok, corpus, "test", seq_len=seq_len, n_windows=windows, bos_token_id=bos, cache=cache)
-        train = data.stream_for(tok, corpus, "train", cache=cache)
-        cal = data.calibration_windows(train, calib_windows, seq_len, seed, bos) if calib_windows else win[:0]
-        t2 = time.perf_counter()
-        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress, workers)
-        wb.stage_seconds = {"load model": t1 - t0, "load data": t2 - t1}
-        return wb
-
-    def _key(self, *extra) -> str:
-        return _digest(model_fingerprint(self.info), *extra)
-
-    def _cached(self, stage: str, path: Path, load, compute):
-        """``load(path)`` if the file exists and is intact, else ``compute()`` and save it
-        (atomically: concurrent runs each write a whole file); the time goes to ``stage``
-        (or ``stage (cached)``)."""
-        t0 = time.perf_counter()
-        if path.exists():
-            try:
-                value = load(path)
-            except CorruptFile as e:  # truncated or corrupted: never used, recomputed
-                discard_corrupt(e, path)
-            else:
-                self.stage_seconds[f"{stage} (cached)"] = time.perf_counter() - t0
-                return value
-        value = compute()
-        value.save(path)
-        self.stage_seconds[stage] = time.perf_counter() - t0
-        log.info("%s: done in %.0f s (cached at %s)", stage, self.stage_seconds[stage], path)
-        return value
-
-    @property
-    def reference(self) -> Reference:
-        if self._reference is None:
-            path = self.cache / "references" / f"{self.info.name}-{self._key(self.windows, self.kl_topk)}.safetensors"
-            self._reference = self._cached(
-                "reference", path, Reference.load,
-                lambda: reference_predictions(plain_forward(self.model), self.windows, self.kl_topk,
-                                              progress=self.progress, workers=self.workers),
-            )
-        return self._reference
-
-    @property
-    def stats(self) -> CalibStats:
-        if self._stats is None:
-            if len(self.calib_windows) == 0:
-                raise ValueError("this configuration needs calibration data; use --calib-windows > 0")
-            path = self.cache / "calibration" / f"{self.info.name}-{self._key(self.calib_windows)}.safetensors"
-            self._stats = self._cached(
-                "calibration", path, CalibStats.load,
-                lambda: collect_stats(self.model, self.calib_windows, progress=self.progress, workers=self.workers),
-            )
-        return self._stats
-
-    @property
-    def calibration(self) -> torch.Tensor | None:
-        """The calibration windows, or ``None`` when the bench was loaded without any."""
-        return self.calib_windows if len(self.calib_windows) else None
-
-    def reference_row(self) -> Row:
-        ref = self.reference
-        ev = summarize_reference(ref, name="reference", seed=self.seed)
-        return Row("reference", f"unquantized ({next(self.model.parameters()).dtype})".replace("torch.", ""),
-                   ev, HIGH_PRECISION_BITS, HIGH_PRECISION_BITS, 0.0)
-
-    def run(self, recipe: Recipe | None, *, only: str | None = None, model: nn.Module | None = None,
-            name: str | None = None) -> Row:
-        """Evaluate ``model`` (default: the bench's model) against the reference, after
-        quantizing a copy of it with ``recipe`` (restricted to modules matching ``only``)."""
-        ref = self.reference
-        model = self.model if model is None else model
-        label = name or (recipe.name if recipe else self.info.name)
-        if recipe is None:
-            ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress,
-                          workers=self.workers)
-            return Row(label, "as loaded", ev, weight_bits(model, None), HIGH_PRECISION_BITS, 0.0)
-        model = copy.deepcopy(model)
-        t0 = time.perf_counter()
-        state = quantize(model, recipe, self.calibration, stats=lambda: self.stats, only=only, progress=self.progress)
-        tq = time.perf_counter() - t0
-        with quantized_execution(model, state) as fwd:
-            ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress,
-                          workers=self.workers)
-        return Row(label, recipe.description, ev, weight_bits(model, state), kv_bits(recipe), tq)
-
-    def describe(self) -> Comparison:
-        return Comparison(
-            model=self.info.name, corpus=self.corpus, split="test", windows=len(self.windows),
-            seq_len=self.windows.shape[1], tokens=len(self.windows) * (self.windows.shape[1] - 1), seed=self.seed,
-            calibration_windows=len(self.calib_windows), kl_topk=self.kl_topk, reference_note=self.info.reference_note,
-            stage_seconds=self.stage_seconds,
-        )
-
-
 def compare(bench: Workbench, recipes: list[str], *, on_row: Callable[[Row], None] | None = None) -> Comparison:
     """The reference and each recipe (a preset name or YAML path), evaluated on ``bench``."""
+
     parsed = [load_recipe(r) for r in recipes]  # bad names fail before any work
     result = bench.describe()
     result.rows.append(bench.reference_row())
-    if any(r.needs_calibration and not r.algorithms.layerwise for r in parsed):
+    if any(r.needs_calibration and not r.algorithms.layerwise and not is_cached(bench, r) for r in parsed):
         bench.stats  # calibrate once, up front, so that stage times stay separate
     if on_row:
         on_row(result.rows[-1])
     for i, r in enumerate(parsed, 1):
         log.info("config %d/%d: %s (%s)", i, len(parsed), r.name, r.description or r.summary())
-        t0 = time.perf_counter()
-        result.rows.append(bench.run(r))
-        bench.stage_seconds[f"config {r.name}"] = time.perf_counter() - t0
+        result.rows.append(cached_row(bench, r))  # a row evaluated before is read from <cache>/rows
         e = result.rows[-1].eval
-        log.info("%s: perplexity %.3f (%+.2f%%), KL %.4f, top-1 %.3f, %.0f s", r.name, e.ppl, e.delta_pct,
-                 e.kl_mean, e.top1, bench.stage_seconds[f"config {r.name}"])
+        log.info("%s: perplexity %.3f (%+.2f%%), KL %.4f, top-1 %.3f", r.name, e.ppl, e.delta_pct, e.kl_mean, e.top1)
         if on_row:
             on_row(result.rows[-1])
     result.stage_seconds = dict(bench.stage_seconds)
