@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.arch import arch_of, decoder_layers
+from ..models.arch import arch_of, decoder_layers, expert_groups
 from ..numerics.qtensor import QParams
 from ..numerics.scheme import Scheme
 from .calibrate import CalibStats
@@ -37,7 +37,7 @@ def layer_index(layers: str):
 
 def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
     """Linears that read the same input and that runtimes fuse into one matmul (q/k/v,
-    gate/up): they must share an NVFP4 global scale."""
+    gate/up, each expert's gate/up): they must share an NVFP4 global scale."""
     arch = arch_of(model)
     prefix = arch.layers
     groups = []
@@ -45,7 +45,7 @@ def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
         for b in arch.balances:
             if len(b.next) > 1:
                 groups.append(tuple(f"{prefix}.{i}.{n}" for n in b.next))
-    return groups
+    return groups + expert_groups(model)
 
 
 def shared_global_scales(
