@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..models.experts import unfuse_experts
 from .kv import KVObserver, cache_kwarg, make_cache
 from ..util.parallel import map_shards
 
@@ -76,6 +77,8 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
     def hook_for(name: str):
         def hook(module, args):
             x = args[0]
+            if x.numel() == 0:  # an expert no token was routed to
+                return
             if last[0] is not x:
                 x2 = x.detach().reshape(-1, x.shape[-1])
                 last[0], last[1] = x, torch.maximum(x2.amax(0), -x2.amin(0)).float()  # (aminmax is ~10× slower)
@@ -100,7 +103,10 @@ def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = T
     """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
     (every Linear but ``lm_head``, whose input a static scheme then cannot use).
     ``workers``: processes that share the windows (:func:`lowbit.util.parallel.map_shards`);
-    their maxima are merged."""
+    their maxima are merged.  Fused MoE experts are first replaced by per-expert Linears
+    (:func:`lowbit.models.experts.unfuse_experts`, the same function), so that each expert's
+    input has its own statistics."""
+    unfuse_experts(model)
     # the decoder alone: statistics need no logits, and lm_head (never quantized by
     # default) is a fifth of a small model's work
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
