@@ -220,3 +220,27 @@ def test_activation_quantization_of_expert_inputs(tiny_moe_builder):
     with lb.quantization.runtime.quantized_execution(model, state) as fwd:
         logits = fwd(_windows(1))
     assert torch.isfinite(logits).all()
+
+
+@torch.no_grad()
+def test_static_input_scales_of_unreached_experts_are_pooled(tiny_moe_builder, caplog):
+    """An expert no calibration token reached has no input statistics: its static input
+    scale is the max over the experts of its layer that were reached (logged)."""
+    from lowbit.quantization.calibrate import collect_stats
+
+    model = tiny_moe_builder("qwen3_moe")
+    stats = collect_stats(model, _windows(1, seq=2), progress=False)  # 2 tokens: 4 of 16 (expert, slot) pairs
+    reached = {n for n in stats.input_absmax if ".experts." in n}
+    assert 0 < len(reached) < L * E * 3
+    with caplog.at_level(logging.WARNING, logger="lowbit.quantization.targets"):
+        state = quantize(model, RECIPES["fp8-tensor"], stats=stats, progress=False)
+    for i in range(L):
+        for lin in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{i}.mlp.experts.{e}.{lin}" for e in range(E)]
+            pooled = torch.stack([stats.input_absmax[n] for n in names if n in reached]).amax().float()
+            for n in names:
+                scale = state.activations[n].qparams.scale
+                own = stats.input_absmax[n].float().max() if n in reached else pooled
+                want = lb.PRESETS["fp8-tensor"].scales_from_range(-own.reshape(1, 1), own.reshape(1, 1))[0]
+                assert torch.equal(scale, want), n
+    assert sum("saw no calibration tokens" in m for m in caplog.messages) == L * E * 3 - len(reached)

@@ -66,8 +66,11 @@ class ExpertLinears(nn.ModuleList):
                 ex.gate_proj.weight.copy_(gate_up[e, :inter])
                 ex.up_proj.weight.copy_(gate_up[e, inter:])
                 ex.down_proj.weight.copy_(down[e])
+            ex.requires_grad_(fused.gate_up_proj.requires_grad)
             out.append(ex)
-        return cls(out)
+        mod = cls(out)
+        mod.train(fused.training)
+        return mod
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,6 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
             h.remove()
 
 
-@torch.inference_mode()
 def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True,
                   workers: int | None = None) -> CalibStats:
     """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
@@ -106,7 +105,12 @@ def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = T
     their maxima are merged.  Fused MoE experts are first replaced by per-expert Linears
     (:func:`lowbit.models.experts.unfuse_experts`, the same function), so that each expert's
     input has its own statistics."""
-    unfuse_experts(model)
+    unfuse_experts(model)  # outside inference mode: the new Linears' weights are changed in place later
+    return _collect(model, windows, progress, workers)
+
+
+@torch.inference_mode()
+def _collect(model: nn.Module, windows: torch.Tensor, progress: bool, workers: int | None) -> CalibStats:
     # the decoder alone: statistics need no logits, and lm_head (never quantized by
     # default) is a fifth of a small model's work
     body = model.get_decoder() if hasattr(model, "get_decoder") else model

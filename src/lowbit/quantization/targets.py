@@ -8,6 +8,9 @@ Shared by plain rounding (:mod:`.rounding`) and the layer-by-layer pass (:mod:`.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 from torch import nn
 
@@ -20,6 +23,8 @@ from .recipe import Recipe
 from .runtime import ActQuant
 
 __all__ = ["sibling_groups", "shared_global_scales", "activation_plan", "kv_plan_from", "layer_index"]
+
+log = logging.getLogger(__name__)
 
 
 def layer_index(layers: str):
@@ -66,17 +71,42 @@ def shared_global_scales(
     return out
 
 
+_EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")
+
+
+def _pooled_expert_absmax(name: str, stats: CalibStats) -> torch.Tensor | None:
+    """For a MoE expert's Linear that no calibration token reached: the channel absmax of
+    the same Linear pooled (max) over the layer's experts that were reached (in the
+    layer-by-layer pass: those quantized before it), else ``None``."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    head, _, tail = m.groups()
+    seen = [v for k, v in stats.input_absmax.items()
+            if (mk := _EXPERT.fullmatch(k)) is not None and mk.group(1) == head and mk.group(3) == tail]
+    if not seen:
+        return None
+    log.warning("%s saw no calibration tokens: its static input scale is pooled over the %d experts of its "
+                "layer that did", name, len(seen))
+    return torch.stack(seen).amax(0)
+
+
 def _act_quant(
     name: str, scheme: Scheme, stats: CalibStats | None, rotation: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
 ) -> ActQuant:
     if scheme.dynamic and not scheme.global_scale:
         return ActQuant(scheme, rotation=rotation, keep=keep)
-    if stats is None or name not in stats.input_absmax:
+    absmax = None
+    if stats is not None:
+        absmax = stats.input_absmax.get(name)
+        if absmax is None:
+            absmax = _pooled_expert_absmax(name, stats)
+    if absmax is None:
         raise ValueError(
             f"the input scheme of {name} ({scheme}) needs calibrated scales; run with calibration data"
         )
-    absmax = stats.input_absmax[name].float()
+    absmax = absmax.float()
     if keep is not None and keep.numel():
         absmax = absmax.clone()
         absmax[keep] = 0  # kept channels stay in high precision: they must not set the scale
