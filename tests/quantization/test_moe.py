@@ -208,7 +208,7 @@ def test_layerwise_refuses_what_it_does_not_do_on_moe(tiny_moe_builder):
     for algo, what in (({"awq": {}}, "AWQ"), ({"smoothquant": {}}, "SmoothQuant"), ({"rotation": {}}, "rotations")):
         recipe = recipe_from_dict({"name": "x", "weights": "int4-g64", "inputs": "int8-token" if "smooth" in what
                                    .lower() else None, "algorithms": algo})
-        with pytest.raises(NotImplementedError, match=what):
+        with pytest.raises(ValueError, match=what):
             quantize(tiny_moe_builder("qwen3_moe"), recipe, _windows(2), progress=False)
 
 
@@ -244,3 +244,11 @@ def test_static_input_scales_of_unreached_experts_are_pooled(tiny_moe_builder, c
                 want = lb.PRESETS["fp8-tensor"].scales_from_range(-own.reshape(1, 1), own.reshape(1, 1))[0]
                 assert torch.equal(scale, want), n
     assert sum("saw no calibration tokens" in m for m in caplog.messages) == L * E * 3 - len(reached)
+
+
+def test_lazily_loaded_moe_is_refused_before_work(tiny_moe_builder):
+    class Store:  # quantize() refuses before it touches the store
+        pass
+
+    with pytest.raises(ValueError, match="lazily loaded mixture-of-experts"):
+        quantize(tiny_moe_builder("qwen3_moe"), RECIPES["w4a16-int4-g64"], _windows(2), store=Store(), progress=False)

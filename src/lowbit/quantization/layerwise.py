@@ -125,7 +125,7 @@ def _refuse_on_moe(model: nn.Module, algo) -> None:
         ("AWQ (its scales would move through the norm that also feeds the router)", algo.awq is not None),
     ) if on]
     if missing and expert_modules(model):
-        raise NotImplementedError(
+        raise ValueError(
             f"{', '.join(missing)}: not implemented for mixture-of-experts models; GPTQ, the MSE observer and "
             "min-max rounding quantize every expert (from the tokens routed to it)")
 

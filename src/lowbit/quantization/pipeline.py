@@ -93,7 +93,7 @@ def quantize(
     """
     arch_of(model)  # unsupported architectures fail here, before any work
     if store is not None and is_moe(model):
-        raise NotImplementedError("lazily loaded mixture-of-experts models are not supported yet: load the model whole")
+        raise ValueError("lazily loaded mixture-of-experts models are not supported yet: load the model whole")
     unfuse_experts(model)  # fused MoE experts become per-expert Linears (same function; lowbit.models.experts)
     if store is None and is_lazy(model):
         raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")
