@@ -10,13 +10,14 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PY_LOWBIT:-$HERE/.venv/bin/python}"; [ -x "$PY" ] || PY=python3
+lowbit() { "$PY" -c 'import sys; from lowbit.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 MODEL="${1:-Qwen/Qwen3-30B-A3B}"; OUT="${2:-/tmp/lowbit-moe}"
 mkdir -p "$OUT"
 dirs=()
 for R in ${RECIPES:-w4a16-int4-g128 fp8-dynamic w4a16-nvfp4 w4a16-gptq-g128}; do
   D="$OUT/$(basename "$MODEL")-$R"
   # every expert is quantized; experts with < 16 calibration tokens are rounded (logged per layer)
-  "$PY" -m lowbit.cli quantize "$MODEL" --recipe "$R" --out "$D" --force ${CALIB:+--calib-windows "$CALIB"}
+  lowbit quantize "$MODEL" --recipe "$R" --out "$D" --force ${CALIB:+--calib-windows "$CALIB"}
   dirs+=("$D")
 done
 exec "$HERE/scripts/gpu_check.sh" "${dirs[@]}"
