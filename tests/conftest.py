@@ -84,3 +84,35 @@ def tiny_folder(tmp_path_factory):
     corpus = write_corpus(root / "corpus")
     tok = _byte_bpe_tokenizer([_TEXT] * 4)
     return write_model(root / "model", tok), corpus
+
+
+def _tiny_moe(kind: str = "qwen3_moe", experts: int = 8, layers: int = 2):
+    """A tiny Qwen3-MoE or Mixtral (transformers' fused-experts layout), seeded, with a
+    router scaled up so that routing is real (not near-uniform)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  num_experts_per_tok=2)
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=64, num_experts=experts, **common))
+    else:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, **common))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 1.0)
+    return model.eval()
+
+
+@pytest.fixture(params=["qwen3_moe", "mixtral"])
+def tiny_moe(request):
+    return _tiny_moe(request.param)
+
+
+@pytest.fixture
+def tiny_moe_builder():
+    """``builder(kind="qwen3_moe", experts=8, layers=2)``: a tiny MoE model (see :func:`_tiny_moe`)."""
+    return _tiny_moe

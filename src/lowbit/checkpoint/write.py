@@ -20,7 +20,7 @@ from torch import nn
 
 from .._version import __version__
 from ..util.io import atomic_dir, write_safetensors
-from ..models.arch import arch_of
+from ..models.arch import arch_of, checkpoint_name, decoder_layers
 from ..quantization.targets import sibling_groups
 from ..quantization.runtime import QuantState
 from ..numerics.scheme import Scheme, bits_per_element
@@ -77,9 +77,21 @@ def _linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
+def _routers(model: nn.Module) -> list[str]:
+    """The MoE routers of ``model`` (not Linears in transformers 5; always high precision)."""
+    arch = arch_of(model)
+    if arch.experts is None:
+        return []
+    modules = dict(model.named_modules())
+    names = (f"{arch.layers}.{i}.{arch.experts.router}" for i in range(len(decoder_layers(model))))
+    return [n for n in names if n in modules and not isinstance(modules[n], nn.Linear)]
+
+
 def quantization_config(model: nn.Module, state: QuantState) -> dict:
     """The ``quantization_config`` of ``config.json``: one config group per distinct
-    (format, weight args, input args); Linears left in high precision go to ``ignore``."""
+    (format, weight args, input args); Linears left in high precision and MoE routers go to
+    ``ignore``.  Names are the checkpoint's (:func:`lowbit.models.arch.checkpoint_name`)."""
+    arch = arch_of(model)
     plan = plan_of(state)
     groups: dict[str, dict] = {}
     members: dict[str, list[str]] = {}
@@ -89,9 +101,9 @@ def quantization_config(model: nn.Module, state: QuantState) -> dict:
              "input_activations": scheme_args(i, "inputs") if i is not None else None}
         key = json.dumps(g, sort_keys=True)
         groups.setdefault(key, g)
-        members.setdefault(key, []).append(name)
+        members.setdefault(key, []).append(checkpoint_name(arch, name))
     linears = list(_linear_shapes(model))
-    ignore = [n for n in linears if n not in plan]
+    ignore = [checkpoint_name(arch, n) for n in linears + _routers(model) if n not in plan]
     config_groups = {}
     for k, (key, g) in enumerate(groups.items()):
         targets = ["Linear"] if len(groups) == 1 else members[key]
@@ -112,6 +124,9 @@ def checkpoint_tensors(model: nn.Module, state: QuantState, dtype: torch.dtype) 
 
     Quantized Linears get their compressed-tensors tensors; everything else is written in
     ``dtype``; a tensor tied to an earlier one (lm_head to the embeddings) is written once.
+    MoE experts are written per expert, under the names the architecture's checkpoints use
+    (``…mlp.experts.<e>.down_proj.weight_packed``; Mixtral ``…block_sparse_moe.experts.<e>.w2…``),
+    the layout vLLM's fused-MoE loader reads.
     """
     return part_tensors(model.state_dict().items(), model, state, dtype, set())
 
@@ -158,6 +173,9 @@ def part_tensors(named, model: nn.Module, state: QuantState, dtype: torch.dtype,
                                   ("v_scale", kv.v_amax[layer], kv.config.v_scheme)):
                 a = amax.float().reshape(1, 1)
                 out[f"{prefix}.{leaf}"] = s.scales_from_range(-a, a)[0].reshape(1).contiguous()
+    arch = arch_of(model)
+    if arch.experts is not None and arch.experts.checkpoint is not None:
+        out = {checkpoint_name(arch, k): v for k, v in out.items()}
     return out, quantized
 
 

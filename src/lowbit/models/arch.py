@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Arch", "ARCHS", "arch_of", "decoder_layers", "linear_names", "Balance", "bos_required"]
+__all__ = ["Arch", "ARCHS", "arch_of", "decoder_layers", "linear_names", "Balance", "bos_required", "Experts",
+           "expert_groups", "checkpoint_name", "lowbit_name"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,28 @@ class Balance:
 
     prev: str
     next: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a mixture-of-experts layer (names relative to a decoder layer).
+
+    ``path``: the experts module (transformers 5 holds it fused; lowbit runs it as per-expert
+    Linears ``<path>.<e>.<gate|up|down>``, :mod:`lowbit.models.experts`); ``router``: the module
+    whose weight scores the experts (kept in high precision); ``shared``: a shared expert's
+    module (its Linears are ordinary ones), if any.  ``checkpoint``: the names the model's
+    checkpoints and vLLM's loader use instead, if they differ (Mixtral:
+    ``block_sparse_moe.experts.<e>.w1/w3/w2`` and ``block_sparse_moe.gate``).
+    """
+
+    path: str
+    router: str
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str | None = None
+    #: (experts path, router, (gate, up, down)) as checkpoints name them, when not as lowbit does
+    checkpoint: tuple[str, str, tuple[str, str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,7 @@ class Arch:
     qk_norm: bool
     needs_bos: bool
     norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): Gemma uses 1 + weight
+    experts: Experts | None = None  # a mixture of experts: gate/up/down are then globs over the experts
 
 
 def _llama_like(
@@ -66,6 +90,30 @@ def _llama_like(
     )
 
 
+def _moe(experts: Experts, qk_norm: bool = False) -> Arch:
+    """A Llama-like attention with routed experts in place of the MLP; the expert Linears
+    that read one input (each expert's gate and up) are listed by :func:`expert_groups`."""
+    e = experts
+    return Arch(
+        layers="model.layers",
+        attn="self_attn",
+        q="self_attn.q_proj",
+        k="self_attn.k_proj",
+        v="self_attn.v_proj",
+        o="self_attn.o_proj",
+        gate=f"{e.path}.*.{e.gate}",
+        up=f"{e.path}.*.{e.up}",
+        down=f"{e.path}.*.{e.down}",
+        balances=(
+            Balance("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            Balance("self_attn.v_proj", ("self_attn.o_proj",)),
+        ),
+        qk_norm=qk_norm,
+        needs_bos=False,
+        experts=experts,
+    )
+
+
 #: keyed by ``config.model_type``
 ARCHS: dict[str, Arch] = {
     "llama": _llama_like(),
@@ -73,6 +121,11 @@ ARCHS: dict[str, Arch] = {
     "qwen2": _llama_like(),
     "qwen3": _llama_like(qk_norm=True),
     "gemma3_text": _llama_like(qk_norm=True, needs_bos=True, post_norm="pre_feedforward_layernorm", norm_offset=1.0),
+    # Qwen3-MoE checkpoints and vLLM name experts as lowbit does
+    "qwen3_moe": _moe(Experts(path="mlp.experts", router="mlp.gate"), qk_norm=True),
+    # Mixtral's checkpoints (and vLLM's loader) say block_sparse_moe and w1 (gate), w3 (up), w2 (down)
+    "mixtral": _moe(Experts(path="mlp.experts", router="mlp.gate",
+                            checkpoint=("block_sparse_moe.experts", "block_sparse_moe.gate", ("w1", "w3", "w2")))),
 }
 
 
@@ -92,6 +145,58 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for part in arch_of(model).layers.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def expert_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Per expert of every MoE layer, its Linears that read one input and that runtimes fuse
+    (gate and up), as full module names; empty for a dense model."""
+    arch = arch_of(model)
+    e = arch.experts
+    if e is None:
+        return []
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        try:
+            experts = layer.get_submodule(e.path)
+        except AttributeError:  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
+            continue
+        for k in range(len(experts) if isinstance(experts, nn.ModuleList) else 0):
+            out.append(tuple(f"{arch.layers}.{i}.{e.path}.{k}.{n}" for n in (e.gate, e.up)))
+    return out
+
+
+def checkpoint_name(arch: Arch, name: str) -> str:
+    """The name the model's checkpoints (and vLLM) use for lowbit's tensor or module ``name``
+    (``model.layers.0.mlp.experts.3.gate_proj.weight`` → Mixtral's
+    ``model.layers.0.block_sparse_moe.experts.3.w1.weight``); other names unchanged."""
+    return _rename(arch, name, to_checkpoint=True)
+
+
+def lowbit_name(arch: Arch, name: str) -> str:
+    """Inverse of :func:`checkpoint_name`."""
+    return _rename(arch, name, to_checkpoint=False)
+
+
+def _rename(arch: Arch, name: str, to_checkpoint: bool) -> str:
+    e = arch.experts
+    if e is None or e.checkpoint is None:
+        return name
+    ours = (e.path, e.router, (e.gate, e.up, e.down))
+    pairs = list(zip(ours, e.checkpoint)) if to_checkpoint else list(zip(e.checkpoint, ours))
+    (src_path, dst_path), (src_router, dst_router), (src_lin, dst_lin) = pairs
+    head = arch.layers + "."
+    if not name.startswith(head):
+        return name
+    layer, _, rest = name[len(head):].partition(".")
+    if rest == src_router or rest.startswith(src_router + "."):
+        return f"{head}{layer}.{dst_router}{rest[len(src_router):]}"
+    if rest.startswith(src_path + "."):
+        k, _, tail = rest[len(src_path) + 1:].partition(".")
+        lin, dot, leaf = tail.partition(".")
+        if lin in src_lin:
+            lin = dst_lin[src_lin.index(lin)]
+        return f"{head}{layer}.{dst_path}.{k}.{lin}{dot}{leaf}"
+    return name
 
 
 def linear_names(model: nn.Module) -> list[str]:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .arch import bos_required
+from .arch import ARCHS, bos_required, lowbit_name
+from .experts import unfuse_experts
 from .assets import MODEL_ASSETS, RECORD, _gguf_folder, cache_dir, fetch
 from .integrity import check_model_folder
 from .offload import checkpoint_files, read_tensors
@@ -95,6 +96,8 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     model.eval().requires_grad_(False)
+    if not lazy:
+        unfuse_experts(model)  # MoE experts as per-expert Linears (lowbit.models.experts), before any hook sees them
     if not isinstance(source, Path):
         from transformers.utils import cached_file
         source = Path(cached_file(name_or_path, "config.json")).parent
@@ -126,6 +129,7 @@ def _load_compressed_tensors(folder: Path, config, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_config(plain, dtype=dtype)
     if getattr(plain, "tie_word_embeddings", False):
         model.tie_weights()
+    unfuse_experts(model)  # lowbit's MoE checkpoints store each expert's Linears
     read_into(model, folder)
     qc = config.quantization_config
     groups = qc.get("config_groups", {}) if isinstance(qc, dict) else {}
@@ -163,10 +167,18 @@ def read_into(model: nn.Module, folder: Path) -> nn.Module:
     groups = list(parsed.config_groups.values())
     files = checkpoint_files(folder)
     stored = read_tensors(files, list(files))
+    arch = ARCHS.get(getattr(getattr(model, "config", None), "model_type", None))
+    if arch is not None and arch.experts is not None:  # checkpoint names (Mixtral's w1/w2/w3) → lowbit's
+        stored = {lowbit_name(arch, k): v for k, v in stored.items()}
+        ignore = [lowbit_name(arch, n) for n in parsed.ignore]
+        for g in groups:
+            g.targets = [lowbit_name(arch, t) for t in g.targets]
+    else:
+        ignore = parsed.ignore
     params = dict(model.named_parameters())
     for name, mod in model.named_modules():
         # a quantized Linear always stores a weight scale (its "weight", if any, holds codes)
-        if not isinstance(mod, nn.Linear) or f"{name}.weight_scale" not in stored or name in parsed.ignore:
+        if not isinstance(mod, nn.Linear) or f"{name}.weight_scale" not in stored or name in ignore:
             continue
         local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
         if not local:

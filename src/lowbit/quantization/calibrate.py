@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..models.experts import unfuse_experts
 from .kv import KVObserver, cache_kwarg, make_cache
 from ..util.io import load_tensors, save_tensors
 from ..util.parallel import map_shards
@@ -71,6 +72,8 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
     def hook_for(name: str):
         def hook(module, args):
             x = args[0]
+            if x.numel() == 0:  # an expert no token was routed to
+                return
             if last[0] is not x:
                 x2 = x.detach().reshape(-1, x.shape[-1])
                 last[0], last[1] = x, torch.maximum(x2.amax(0), -x2.amin(0)).float()  # (aminmax is ~10× slower)
@@ -89,13 +92,20 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
             h.remove()
 
 
-@torch.inference_mode()
 def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True,
                   workers: int | None = None) -> CalibStats:
     """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
     (every Linear but ``lm_head``, whose input a static scheme then cannot use).
     ``workers``: processes that share the windows (:func:`lowbit.util.parallel.map_shards`);
-    their maxima are merged."""
+    their maxima are merged.  Fused MoE experts are first replaced by per-expert Linears
+    (:func:`lowbit.models.experts.unfuse_experts`, the same function), so that each expert's
+    input has its own statistics."""
+    unfuse_experts(model)  # outside inference mode: the new Linears' weights are changed in place later
+    return _collect(model, windows, progress, workers)
+
+
+@torch.inference_mode()
+def _collect(model: nn.Module, windows: torch.Tensor, progress: bool, workers: int | None) -> CalibStats:
     # the decoder alone: statistics need no logits, and lm_head (never quantized by
     # default) is a fifth of a small model's work
     body = model.get_decoder() if hasattr(model, "get_decoder") else model

@@ -30,6 +30,8 @@ class InputStats:
         """Add the tokens of ``x`` (``(..., d)``).  With ``gram``, ``Σx²`` is the Gram
         matrix's diagonal and costs nothing more."""
         x = x.reshape(-1, x.shape[-1]).float()
+        if x.shape[0] == 0:  # an expert no token was routed to: nothing to add
+            return
         if absmax:
             a = torch.maximum(x.amax(0), -x.amin(0))  # torch.aminmax is ~10× slower here
             self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)

@@ -5,6 +5,7 @@ all chunks have reached it (see :mod:`lowbit.quantization.layerwise`)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from .weights import WeightMethod
 
 __all__ = ["LayerPass", "PassContext"]
 
+log = logging.getLogger(__name__)
+
 
 def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
@@ -38,7 +41,9 @@ class PassContext:
     ``online``: rotations applied to Linear inputs at run time; ``siblings``: fused groups
     sharing a global scale; ``need_h``: GPTQ's Hessians are accumulated;
     ``sample_every``: AWQ's token sampling stride (0: none); ``kv_cache_kwarg``: the
-    forward keyword of the KV cache when K/V scales are calibrated, else ``None``.
+    forward keyword of the KV cache when K/V scales are calibrated, else ``None``;
+    ``expert_of``: MoE expert Linear → ``(experts module, expert index)``, for the rule on
+    experts that saw fewer than ``algo.expert_min_tokens`` tokens (min-max rounding).
     """
 
     model: nn.Module
@@ -53,6 +58,7 @@ class PassContext:
     sample_every: int
     kv_cache_kwarg: str | None
     keep_qtensors: bool
+    expert_of: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def method(self) -> WeightMethod:
@@ -75,6 +81,7 @@ class LayerPass:
     def __init__(self, ctx: PassContext, stage: Callable[[str], None] = lambda group: None) -> None:
         self.ctx = ctx
         self.stage = stage  # shows the group being quantized
+        self.rounded_experts: set[tuple[str, int]] = set()  # too few tokens: min-max rounding
 
     def layer_pass(self, i: int, layer: nn.Module, inputs: list[torch.Tensor], kwargs: dict, lnames: list[str],
                    leader: dict[str, str]) -> tuple[list[torch.Tensor], float]:
@@ -145,10 +152,24 @@ class LayerPass:
         missed = [n for n in hooked if leader[n] not in done]
         if missed:
             raise RuntimeError(f"layer {i}: these Linears never ran, so they were not quantized: {missed}")
+        self._report_rounded_experts(i)
         if obs is not None:
             ctx.stats.k_absmax.update(obs.k_absmax)
             ctx.stats.v_absmax.update(obs.v_absmax)
         return outputs, weight_seconds
+
+    def _report_rounded_experts(self, i: int) -> None:
+        """Log, per MoE layer, how many experts fell back to min-max rounding (too few tokens)."""
+        ctx = self.ctx
+        experts: dict[str, set[int]] = {}
+        for m, e in ctx.expert_of.values():
+            experts.setdefault(m, set()).add(e)
+        for mname, all_e in experts.items():
+            rounded = sorted(e for m, e in self.rounded_experts if m == mname)
+            if rounded:
+                log.warning("%d of %d experts in layer %d saw < %d tokens: RTN (min-max rounding) for experts %s",
+                            len(rounded), len(all_e), i, ctx.algo.expert_min_tokens, rounded)
+        self.rounded_experts.clear()
 
     def _quantize_group(self, members: list[str], st: InputStats, leader: dict[str, str]) -> dict[str, ActQuant]:
         """Quantize the weights of Linears that read one input, from its statistics; record
@@ -158,10 +179,13 @@ class LayerPass:
         members_plan = {n: plan[n] for n in members if n in plan}
         shared = shared_global_scales(modules, members_plan, ctx.siblings)
         todo = [n for n in members if n in plan and plan[n][0] is not None]
+        few = [n for n in todo if n in ctx.expert_of and st.tokens < ctx.algo.expert_min_tokens]
+        self.rounded_experts.update(ctx.expert_of[n] for n in few)
         for batch_names in _weight_batches(todo, leader, plan, method):
             scheme = plan[batch_names[0]][0]
             ws = [modules[n].weight.detach().float() for n in batch_names]
-            result = method.quantize(torch.cat(ws), scheme, st, shared.get(batch_names[0]))
+            how = _MIN_MAX if batch_names[0] in few else method
+            result = how.quantize(torch.cat(ws), scheme, st, shared.get(batch_names[0]))
             for n, q in zip(batch_names, result.split([w.shape[0] for w in ws])):
                 if q.qtensor is not None and ctx.keep_qtensors:
                     state.weights[n] = q.qtensor
@@ -175,6 +199,9 @@ class LayerPass:
         layer_acts = activation_plan(members_plan, ctx.stats, ctx.online, kept)
         state.activations.update(layer_acts)
         return layer_acts
+
+
+_MIN_MAX = WeightMethod(Algorithms())
 
 
 def _weight_batches(names: list[str], leader: dict[str, str], plan, method: WeightMethod) -> list[list[str]]:

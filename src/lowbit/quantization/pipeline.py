@@ -12,6 +12,11 @@ quantized, and the only code path that changes a model.
   scales layer by layer.
 - Anything else is plain rounding and needs no data.
 
+Mixture-of-experts models: transformers' fused experts modules are first replaced by
+per-expert Linears computing the same function (:func:`lowbit.models.experts.unfuse_experts`),
+so each expert is quantized with its own scales like any Linear, and addressed by name
+(``*.experts.*.down_proj``); routers are not Linears and stay in high precision.
+
 Weights are fake-quantized in place (the model keeps running in its float dtype, with
 weights exactly representable in the target scheme); the QTensor of each weight is kept on
 request for export.  Input and KV quantization are described in the returned
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from ..models.arch import arch_of
+from ..models.experts import is_moe, unfuse_experts
 from ..models.offload import LayerStore, is_lazy
 from .calibrate import CalibStats, collect_stats
 from .layerwise import quantize_layerwise
@@ -102,6 +108,9 @@ def quantize(
             data, ``only`` with calibration methods, a lazy model without its store.
     """
     arch_of(model)  # unsupported architectures fail here, before any work
+    if store is not None and is_moe(model):
+        raise ValueError("lazily loaded mixture-of-experts models are not supported yet: load the model whole")
+    unfuse_experts(model)  # fused MoE experts become per-expert Linears (same function; lowbit.models.experts)
     _check_targets(model, recipe)
     if store is None and is_lazy(model):
         raise ValueError("the model has parameters on the meta device (loaded lazily): pass its LayerStore")

@@ -35,7 +35,7 @@ from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConf
 __all__ = ["Rule", "KVConfig", "Recipe", "Algorithms", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
 
 #: lm_head (vLLM cannot load a quantized one) and MoE routers stay in high precision
-DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*router*")
+DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*.block_sparse_moe.gate", "*router*")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class Algorithms:
         observer: ``minmax`` or ``mse`` (clipping search) — how RTN and GPTQ choose scales.
         mse_importance: weight the MSE search by each input channel's mean x².
         batch: calibration windows per layer forward.
+        expert_min_tokens: a MoE expert whose inputs got fewer calibration tokens than this
+            is rounded to nearest (min-max) instead of by the weight method (its statistics
+            are too few to trust); counted and logged per layer.
+        experts_see_all_tokens: for the statistics, every expert computes on every
+            calibration token, not only those routed to it (the outputs stay the routed ones).
     """
 
     rotation: RotationConfig | None = None
@@ -106,6 +111,8 @@ class Algorithms:
     mse_importance: bool = False
     outliers: OutlierConfig | None = None
     batch: int = 4
+    expert_min_tokens: int = 16
+    experts_see_all_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name, cls in METHODS.items():
@@ -118,6 +125,9 @@ class Algorithms:
             raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.expert_min_tokens < 1:
+            raise ValueError(f"expert_min_tokens must be >= 1 (an expert with no tokens has no statistics), "
+                             f"got {self.expert_min_tokens}")
 
     @property
     def layerwise(self) -> bool:

@@ -40,6 +40,8 @@ class ActQuant:
     keep: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to
+            return x
         if self.rotation is not None:
             x = x @ self.rotation.to(x.dtype)
         if self.scheme is None:

@@ -8,10 +8,13 @@ Shared by plain rounding (:mod:`.rounding`) and the layer-by-layer pass (:mod:`.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 from torch import nn
 
-from ..models.arch import arch_of, decoder_layers
+from ..models.arch import arch_of, decoder_layers, expert_groups
 from ..numerics.qtensor import QParams
 from ..numerics.scheme import Scheme
 from .calibrate import CalibStats
@@ -20,6 +23,8 @@ from .recipe import Recipe
 from .runtime import ActQuant
 
 __all__ = ["sibling_groups", "shared_global_scales", "activation_plan", "kv_plan_from", "layer_index"]
+
+log = logging.getLogger(__name__)
 
 
 def layer_index(layers: str):
@@ -37,7 +42,7 @@ def layer_index(layers: str):
 
 def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
     """Linears that read the same input and that runtimes fuse into one matmul (q/k/v,
-    gate/up): they must share an NVFP4 global scale."""
+    gate/up, each expert's gate/up): they must share an NVFP4 global scale."""
     arch = arch_of(model)
     prefix = arch.layers
     groups = []
@@ -45,7 +50,7 @@ def sibling_groups(model: nn.Module) -> list[tuple[str, ...]]:
         for b in arch.balances:
             if len(b.next) > 1:
                 groups.append(tuple(f"{prefix}.{i}.{n}" for n in b.next))
-    return groups
+    return groups + expert_groups(model)
 
 
 def shared_global_scales(
@@ -66,17 +71,42 @@ def shared_global_scales(
     return out
 
 
+_EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")
+
+
+def _pooled_expert_absmax(name: str, stats: CalibStats) -> torch.Tensor | None:
+    """For a MoE expert's Linear that no calibration token reached: the channel absmax of
+    the same Linear pooled (max) over the layer's experts that were reached (in the
+    layer-by-layer pass: those quantized before it), else ``None``."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    head, _, tail = m.groups()
+    seen = [v for k, v in stats.input_absmax.items()
+            if (mk := _EXPERT.fullmatch(k)) is not None and mk.group(1) == head and mk.group(3) == tail]
+    if not seen:
+        return None
+    log.warning("%s saw no calibration tokens: its static input scale is pooled over the %d experts of its "
+                "layer that did", name, len(seen))
+    return torch.stack(seen).amax(0)
+
+
 def _act_quant(
     name: str, scheme: Scheme, stats: CalibStats | None, rotation: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
 ) -> ActQuant:
     if scheme.dynamic and not scheme.global_scale:
         return ActQuant(scheme, rotation=rotation, keep=keep)
-    if stats is None or name not in stats.input_absmax:
+    absmax = None
+    if stats is not None:
+        absmax = stats.input_absmax.get(name)
+        if absmax is None:
+            absmax = _pooled_expert_absmax(name, stats)
+    if absmax is None:
         raise ValueError(
             f"the input scheme of {name} ({scheme}) needs calibrated scales; run with calibration data"
         )
-    absmax = stats.input_absmax[name].float()
+    absmax = absmax.float()
     if keep is not None and keep.numel():
         absmax = absmax.clone()
         absmax[keep] = 0  # kept channels stay in high precision: they must not set the scale

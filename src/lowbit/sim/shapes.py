@@ -208,5 +208,6 @@ def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
         tied_embeddings=_tied(cfg, outer, name),
         experts=experts,
         experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-        expert_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+        # Mixtral's experts are intermediate_size wide (its configs have no moe_intermediate_size)
+        expert_intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if experts else 0,
     )
