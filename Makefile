@@ -36,6 +36,7 @@ vllm: $(VLLM_STAMP)
 demo: setup
 	$(BIN)/lowbit assets fetch smollm2-135m wiki
 	$(BIN)/lowbit compare smollm2-135m
+	$(BIN)/lowbit plan smollm2-135m --gpu h100 --serve-as llama-3.1-8b --report demo-plan --force
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not vllm"

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from lowbit.checkpoint.write import checkpoint_tensors, export, read_into
+from lowbit.checkpoint.write import checkpoint_tensors, export
+from lowbit.models.loading import read_into
 from lowbit.checkpoint.stream import LayerwiseExport
 from lowbit.quantization.layerwise import quantize_layerwise
 from lowbit.models.offload import LayerStore, checkpoint_files, load_lazy, read_tensors
