@@ -27,7 +27,7 @@ RESULTS = os.environ.get("LOWBIT_KILL_RESULTS")  # a JSON file to record the kil
 
 def _instrument(report) -> None:
     """In the child: announce each stage on entry."""
-    from lowbit.evaluation import compare
+    from lowbit.evaluation import workbench
     from lowbit.workflows import ship
 
     def wrap(mod, name, stage):
@@ -41,7 +41,7 @@ def _instrument(report) -> None:
 
     load = ship.Workbench.load.__func__
     ship.Workbench.load = classmethod(lambda cls, *a, **k: (report("loading"), load(cls, *a, **k))[1])
-    wrap(compare, "collect_stats", "calibration")
+    wrap(workbench, "collect_stats", "calibration")
     wrap(ship, "quantize", "quantizing")
     wrap(ship, "export", "writing")
 

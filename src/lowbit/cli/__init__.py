@@ -253,10 +253,22 @@ def _configure_logging(verbose: bool) -> None:
     """Library progress messages go through ``logging``; the CLI shows them on stderr."""
     import logging
 
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    class _Stderr(logging.StreamHandler):
+        """Writes to whatever ``sys.stderr`` is when a record is emitted (callers and tests swap it)."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value):
+            pass
+
     root = logging.getLogger("lowbit")
-    if not root.handlers:
+    if not any(getattr(h, "lowbit_cli", False) for h in root.handlers):
+        handler = _Stderr()
+        handler.lowbit_cli = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     try:  # transformers' own per-load progress bars add nothing here

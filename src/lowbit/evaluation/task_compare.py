@@ -125,11 +125,9 @@ def task_comparison(bench: Workbench, configs: list[TaskConfig], tasks: list[str
         t0 = time.perf_counter()
         state, model, tq = None, cfg.model if cfg.model is not None else bench.model, 0.0
         if cfg.recipe is not None:
-            layerwise = cfg.recipe.algorithms.layerwise
-            stats = bench.stats if cfg.recipe.needs_calibration and not layerwise else None
             model = copy.deepcopy(model)
-            state = quantize(model, cfg.recipe, stats, progress=bench.progress,
-                             calibration=bench.calib_windows if layerwise else None)
+            state = quantize(model, cfg.recipe, bench.calibration, stats=lambda: bench.stats,
+                             progress=bench.progress)
             tq = time.perf_counter() - t0
         results = {t: _score(bench, model, ex, t, cfg.label, state, share_prefix) for t, ex in examples.items()}
         paired = {t: _pair(t, ref[t], r, bootstrap, seed) for t, r in results.items()}
