@@ -35,15 +35,7 @@ MIXED = {
 }
 
 
-def _wide_llama():
-    """Shapes every scheme accepts: in_features multiples of 128, q/k out multiples of 128."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+from tinymodels import wide_llama as _wide_llama  # noqa: E402
 
 
 def _windows(n=3, seq=16, seed=0):

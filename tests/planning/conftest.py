@@ -12,16 +12,7 @@ from lowbit.sim.metrics import SLO
 from lowbit.sim.workload import Lengths
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
+from tinymodels import tiny_llama as _tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
