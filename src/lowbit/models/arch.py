@@ -8,6 +8,7 @@ must start with BOS.  Code looks facts up here; it never branches on a class nam
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -94,22 +95,13 @@ def _moe(experts: Experts, qk_norm: bool = False) -> Arch:
     """A Llama-like attention with routed experts in place of the MLP; the expert Linears
     that read one input (each expert's gate and up) are listed by :func:`expert_groups`."""
     e = experts
-    return Arch(
-        layers="model.layers",
-        attn="self_attn",
-        q="self_attn.q_proj",
-        k="self_attn.k_proj",
-        v="self_attn.v_proj",
-        o="self_attn.o_proj",
+    dense = _llama_like(qk_norm=qk_norm)
+    return dataclasses.replace(
+        dense,
         gate=f"{e.path}.*.{e.gate}",
         up=f"{e.path}.*.{e.up}",
         down=f"{e.path}.*.{e.down}",
-        balances=(
-            Balance("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            Balance("self_attn.v_proj", ("self_attn.o_proj",)),
-        ),
-        qk_norm=qk_norm,
-        needs_bos=False,
+        balances=dense.balances[:2],  # the attention's; the MLP's norm also feeds the router
         experts=experts,
     )
 
