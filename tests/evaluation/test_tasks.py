@@ -238,6 +238,22 @@ def test_task_comparison_pairs_each_config_with_a_cached_reference(tokenizer, tm
     d = _json.loads(_json.dumps(cmp.to_dict()))
     assert d["rows"][2]["results"]["arc_easy"]["examples"][0]["loglik"]  # per-example outcomes kept
     assert tasks_table(cmp).row_count == 2 * 3 + 3
+    # the headline drop: acc_norm for arc_easy (lm-eval reports it), acc for lambada; 0 for an identical model
+    int2 = cmp.rows[2]
+    assert [TC.headline_metric(t) for t in ("arc_easy", "lambada")] == ["acc_norm", "acc"]
+    assert cmp.rows[1].headline_drop() == 0.0 and cmp.rows[0].headline_drop() == 0.0
+    want = -100 * (int2.paired["arc_easy"][1].delta + int2.paired["lambada"][0].delta) / 2
+    assert int2.headline_drop() == pytest.approx(want)
+    # a recipe's scores are cached per task: scored again, nothing is computed and the results are equal
+    assert len(list((tmp_path / "task-rows").glob("tiny-int2-w-*.json"))) == 2
+    cached_again = TC.task_comparison(bench, configs[1:], "arc_easy,lambada", bootstrap=200)
+    assert cached_again.rows[1].results == int2.results and cached_again.rows[1].paired == int2.paired
+    assert cached_again.rows[1].quantize_seconds == 0.0
+    # another recipe is a different key: it is scored (and here fails loudly, as patched)
+    other = TC.TaskConfig("int3-w", recipe_from_dict({"name": "int3-w", "weights": {"format": "int3",
+                                                                                       "granularity": "channel"}}))
+    with pytest.raises(pytest.fail.Exception, match="not cached"):
+        TC.task_comparison(bench, [other], "arc_easy,lambada")
 
 
 def dataclasses_replace(obj, **kw):

@@ -16,7 +16,6 @@ NO_MODEL = "no-such-model-anywhere"
     (["--gpu", "h100", "--max-loss", "two"], "--max-loss: expected a perplexity increase in percent"),
     (["--gpu", "h100", "--max-loss=-1%"], "--max-loss"),
     (["--gpu", "h100", "--max-kl", "lots"], "--max-kl: expected a number"),
-    (["--gpu", "h100", "--max-task-drop", "1"], "needs task benchmarks (issue 15)"),
     (["--gpu", "h100", "--serve-as", "llama-9"], "unknown model 'llama-9'"),
     (["--gpu", "h100", "--prompt", "ten"], "expected N or LOW:HIGH"),
 ])

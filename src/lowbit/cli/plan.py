@@ -10,7 +10,10 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["register", "cmd_plan"]
+__all__ = ["register", "cmd_plan", "DEFAULT_PLAN_TASKS"]
+
+#: what ``--max-task-drop`` scores when ``--tasks`` is not given: four quick multiple-choice tasks
+DEFAULT_PLAN_TASKS = "arc_easy,hellaswag,piqa,winogrande"
 
 
 def _lengths(args: argparse.Namespace):
@@ -27,8 +30,7 @@ def _budget(args: argparse.Namespace):
     from ..planning import Budget
 
     if args.max_task_drop is not None:
-        raise ValueError("--max-task-drop needs task benchmarks (issue 15), which lowbit does not have yet; "
-                         "use --max-loss (perplexity %) or --max-kl")
+        return Budget.max_task_drop(args.max_task_drop)
     if args.max_kl is not None:
         return Budget.max_kl(args.max_kl)
     return Budget.max_loss(args.max_loss)
@@ -58,6 +60,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # every bad input fails here, before the model is loaded
     gpu = load_hardware().gpu(args.gpu)
     budget = _budget(args)
+    tasks = args.tasks or (DEFAULT_PLAN_TASKS if budget.metric == "task" else None)
+    if tasks:
+        from ..data.tasks import resolve_tasks
+
+        resolve_tasks(tasks)  # unknown names fail before any work
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be positive, got {args.limit}")
     cands = ([parse_candidate(x) for x in args.recipes.split(",") if x.strip()] if args.recipes
              else default_candidates(gpu))
     if not cands:
@@ -76,7 +85,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = Target.of(args.gpu, args.tp, bench.info.path, args.serve_as, name=bench.info.name)
     recipe_dir = str(Path(args.report) / "recipes") if args.report else "."
     result = plan(bench, cands, target, load, budget, model_arg=args.model, curves=8 if args.report else 0,
-                  progress=not args.no_progress, measure_all=args.measure_all, recipe_dir=recipe_dir)
+                  progress=not args.no_progress, measure_all=args.measure_all, recipe_dir=recipe_dir,
+                  tasks=tasks, task_limit=args.limit)
     con = Console(width=None if Console().is_terminal else 220)
     con.print(render.plan_table(result))
     for line in render.recommendation_lines(result):
@@ -125,7 +135,12 @@ def register(subparsers) -> None:
     b = p.add_mutually_exclusive_group()
     b.add_argument("--max-loss", default="2%", help="accuracy budget: perplexity increase, e.g. 2%% (default)")
     b.add_argument("--max-kl", help="accuracy budget: mean KL divergence per token, e.g. 0.02")
-    b.add_argument("--max-task-drop", metavar="PTS", help="task-accuracy budget (needs task benchmarks, issue 15)")
+    b.add_argument("--max-task-drop", metavar="PTS",
+                   help="accuracy budget: mean benchmark accuracy drop in points (acc_norm where the task has it); "
+                        f"scores --tasks (default {DEFAULT_PLAN_TASKS})")
+    p.add_argument("--tasks", help="also score every candidate on these benchmarks (comma-separated, as "
+                                   "`lowbit compare --tasks`); cached per recipe and task")
+    p.add_argument("--limit", type=int, default=None, help="with --tasks: the first N rows of each task")
     p.add_argument("--report", metavar="DIR", help="write a folder: index.md, plan.json, pareto.png, latency.png")
     p.add_argument("--measure-all", action="store_true",
                    help="also measure the FP8-KV variant of a candidate whose whole interval is over the budget")

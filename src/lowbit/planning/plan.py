@@ -18,6 +18,7 @@ import numpy as np
 
 from ..evaluation.compare import Row, Workbench
 from ..evaluation.rowcache import cached_row, is_cached
+from ..evaluation.task_compare import TaskComparison, TaskConfig, TaskRow, task_comparison
 from ..sim.capacity import Curve
 from ..sim.engine import EngineConfig
 from ..sim.hardware import GPU, Kernels, load_hardware
@@ -80,6 +81,7 @@ class Option:
     capacity: Capacity
     loss: float  # inf when not measured
     within_budget: bool
+    tasks: TaskRow | None = None  # benchmark scores, when the plan scored tasks
 
     @property
     def measured(self) -> bool:
@@ -95,7 +97,11 @@ class Option:
     def to_dict(self) -> dict:
         return {"candidate": self.candidate.to_dict(), "accuracy": self.accuracy.to_dict() if self.accuracy else None,
                 "capacity": self.capacity.to_dict(), "loss": self.loss if self.measured else None,
-                "within_budget": self.within_budget}
+                "within_budget": self.within_budget,
+                "tasks": None if self.tasks is None else {
+                    "headline_drop_points": self.tasks.headline_drop(),
+                    "paired": {t: [p.to_dict() for p in ps] for t, ps in self.tasks.paired.items()},
+                    "metrics": self.tasks.to_dict()["metrics"]}}
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class PlanResult:
     curves: tuple[Curve, ...] = ()
     notes: tuple[str, ...] = ()
     stage_seconds: dict = field(default_factory=dict)
+    tasks: dict | None = None  # {"tasks": [...], "limit": N, "examples": {task: n}} when tasks were scored
 
     def option(self, name: str) -> Option:
         return next(o for o in self.options if o.candidate.name == name)
@@ -124,7 +131,7 @@ class PlanResult:
                 "load": self.load.to_dict(), "budget": self.budget.to_dict(), "accuracy_setup": self.accuracy_setup,
                 "options": [o.to_dict() for o in self.options], "recommendation": self.recommendation.to_dict(),
                 "commands": [c.to_dict() for c in self.commands], "curves": [c.to_dict() for c in self.curves],
-                "notes": list(self.notes), "stage_seconds": dict(self.stage_seconds)}
+                "notes": list(self.notes), "stage_seconds": dict(self.stage_seconds), "tasks": self.tasks}
 
 
 def _accuracy(bench: Workbench, candidates: list[Candidate], budget: Budget, measure_all: bool,
@@ -154,6 +161,16 @@ def _accuracy(bench: Workbench, candidates: list[Candidate], budget: Budget, mea
     return [rows[i] for i in range(len(candidates))]
 
 
+def _task_rows(bench: Workbench, candidates: list[Candidate], tasks: list[str] | str,
+               limit: int | None) -> tuple[list[TaskRow], TaskComparison]:
+    """Each candidate's benchmark scores, paired against the reference (the reference's own
+    row for the unquantized candidate); cached per recipe and task (``<cache>/task-rows``)."""
+    configs = [TaskConfig(c.name, c.recipe) for c in candidates if c.recipe is not None]
+    cmp = task_comparison(bench, configs, tasks, limit=limit, seed=bench.seed)
+    by_label = {r.label: r for r in cmp.rows}
+    return [by_label["reference" if c.recipe is None else c.name] for c in candidates], cmp
+
+
 def _curve_rates(caps: list[Capacity], points: int) -> tuple[float, ...]:
     top = max((c.max_rate.high for c in caps if c.max_rate is not None), default=0.0)
     return tuple(float(x) for x in np.linspace(0.1, 1.2, points) * top) if top > 0 else ()
@@ -161,7 +178,7 @@ def _curve_rates(caps: list[Capacity], points: int) -> tuple[float, ...]:
 
 def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Load, budget: Budget, *,
          model_arg: str | None = None, curves: int = 0, progress: bool = True, measure_all: bool = False,
-         recipe_dir: str = ".") -> PlanResult:
+         recipe_dir: str = ".", tasks: list[str] | str | None = None, task_limit: int | None = None) -> PlanResult:
     """Measure (or read) each candidate's accuracy on ``bench``, simulate it on ``target``
     under ``load``, and recommend within ``budget``.
 
@@ -173,6 +190,8 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         progress: progress bars on a terminal.
         measure_all: also measure KV variants of candidates certainly over the budget.
         recipe_dir: where the commands expect a non-preset recipe's YAML.
+        tasks: benchmarks to score every candidate on (required by a ``task`` budget, whose
+            loss is the mean headline-accuracy drop in points); ``task_limit`` rows of each.
     """
     if not candidates:
         raise ValueError("plan needs at least one candidate")
@@ -183,6 +202,15 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
     t0 = time.perf_counter()
     rows = _accuracy(bench, candidates, budget, measure_all, progress)
     secs["accuracy"] = time.perf_counter() - t0
+    if budget.metric == "task" and not tasks:
+        raise ValueError("a task-accuracy budget (--max-task-drop) needs the tasks to score (--tasks)")
+    task_rows: list[TaskRow | None] = [None] * len(candidates)
+    task_setup = None
+    if tasks:
+        t0 = time.perf_counter()
+        task_rows, cmp = _task_rows(bench, candidates, tasks, task_limit)
+        task_setup = {"tasks": list(cmp.tasks), "limit": cmp.limit, "examples": dict(cmp.examples)}
+        secs["tasks"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     caps = []
     for c, stage in staged_progress(candidates, "simulating", enabled=progress):
@@ -190,8 +218,12 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         caps.append(capacity_for(c.name, c.plan, target.shape, target.gpu, target.kernels, target.engine, load,
                                  bench.cache))
     secs["simulation"] = time.perf_counter() - t0
-    loss = [math.inf if r is None else budget.loss(r.eval) for r in rows]
-    options = tuple(Option(c, r, cap, x, x <= budget.limit) for c, r, cap, x in zip(candidates, rows, caps, loss))
+    if budget.metric == "task":
+        loss = [t.headline_drop() for t in task_rows]
+    else:
+        loss = [math.inf if r is None else budget.loss(r.eval) for r in rows]
+    options = tuple(Option(c, r, cap, x, x <= budget.limit, t)
+                    for c, r, cap, x, t in zip(candidates, rows, caps, loss, task_rows))
     ctx = load.context
     usable = target.gpu.memory_gib * 2**30 * target.engine.gpu_memory_utilization - target.engine.reserved_gb * 1e9
     rec = recommend([o.point(ctx) for o in options], budget, load.slo.ttft, load.slo.tpot,
@@ -231,4 +263,4 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
              "seed": d.seed, "calibration_windows": d.calibration_windows, "kl_topk": d.kl_topk}
     secs.update({f"bench: {k}": v for k, v in bench.stage_seconds.items()})
     return PlanResult(model, served_note, target, load, budget, setup, options, rec, cmds, tuple(curve_list), notes,
-                      secs)
+                      secs, task_setup)

@@ -22,15 +22,17 @@ LATENCY_MARGIN = 0.02
 
 @dataclass(frozen=True)
 class Budget:
-    """How much accuracy may be lost: ``metric`` ``ppl`` (perplexity Δ%, the point estimate)
-    or ``kl`` (mean KL divergence per token), at most ``limit``."""
+    """How much accuracy may be lost: ``metric`` ``ppl`` (perplexity Δ%, the point estimate),
+    ``kl`` (mean KL divergence per token) or ``task`` (benchmark accuracy drop in points: the
+    mean over the tasks of the reference's headline accuracy minus the candidate's, ×100), at
+    most ``limit``."""
 
     metric: str
     limit: float
 
     def __post_init__(self) -> None:
-        if self.metric not in ("ppl", "kl"):
-            raise ValueError(f"budget metric must be 'ppl' or 'kl', got {self.metric!r}")
+        if self.metric not in ("ppl", "kl", "task"):
+            raise ValueError(f"budget metric must be 'ppl', 'kl' or 'task', got {self.metric!r}")
         if not (math.isfinite(self.limit) and self.limit >= 0):
             raise ValueError(f"budget limit must be a finite number >= 0, got {self.limit!r}")
 
@@ -52,20 +54,38 @@ class Budget:
             raise ValueError(f"--max-kl: expected a finite number >= 0, got {text!r}")
         return cls("kl", v)
 
+    @classmethod
+    def max_task_drop(cls, text: str) -> Budget:
+        """``1`` or ``1pt`` → mean benchmark accuracy at most 1 point below the reference's."""
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(pts?|points?)?\s*", str(text))
+        if not m:
+            raise ValueError(f"--max-task-drop: expected accuracy points such as 1 or 0.5, got {text!r}")
+        return cls("task", float(m.group(1)))
+
     def loss(self, ev) -> float:
-        """The loss of an :class:`~lowbit.evaluation.metrics.Eval` (0 for the reference itself)."""
+        """The loss of an :class:`~lowbit.evaluation.metrics.Eval` (0 for the reference itself);
+        a task budget's loss is the candidate's task row's ``headline_drop()`` instead."""
+        if self.metric == "task":
+            raise ValueError("a task-accuracy budget is read off task scores (TaskRow.headline_drop), not a perplexity row")
         v = ev.delta_pct if self.metric == "ppl" else ev.kl_mean
         return 0.0 if v is None else float(v)
 
     def certainly_over(self, ev) -> bool:
-        """The whole 95% interval of ``ev``'s loss lies above the limit."""
+        """The whole 95% interval of ``ev``'s loss lies above the limit (never, for a task
+        budget: perplexity does not bound task accuracy)."""
+        if self.metric == "task":
+            return False
         ci = ev.delta_ci if self.metric == "ppl" else ev.kl_ci
         return ci is not None and ci[0] > self.limit
 
     def describe(self) -> str:
+        if self.metric == "task":
+            return f"mean task accuracy at most {self.limit:g} points below the reference"
         return f"perplexity at most +{self.limit:g}%" if self.metric == "ppl" else f"mean KL at most {self.limit:g}"
 
     def fmt(self, loss: float) -> str:
+        if self.metric == "task":
+            return f"{-loss:+.2f} pts"
         return f"{loss:+.2f}%" if self.metric == "ppl" else f"KL {loss:.4f}"
 
     def to_dict(self) -> dict:

@@ -32,6 +32,16 @@ def _title(r) -> str:
             f"tokens; SLO {form} {slo}; budget: {r.budget.describe()}")
 
 
+def _task_cell(o) -> str:
+    """Mean headline-accuracy drop in points and the flips summed over the tasks."""
+    t = o.tasks
+    if t is None or not t.paired:
+        return "0 (reference)" if t is not None else "—"
+    pairs = [p for p in (t.headline(k) for k in t.paired) if p is not None]
+    lost, won = sum(p.flips.right_to_wrong for p in pairs), sum(p.flips.wrong_to_right for p in pairs)
+    return f"{-t.headline_drop():+.2f} ({lost}↓ {won}↑)"
+
+
 def _rows(r) -> list[tuple[str, ...]]:
     """One tuple of display strings per option (shared by the rich table and the Markdown page)."""
     rec, out = r.recommendation, []
@@ -57,6 +67,7 @@ def _rows(r) -> list[tuple[str, ...]]:
         out.append((
             o.candidate.name, lane, delta, "—" if e is None or e.kl_mean is None else f"{e.kl_mean:.4f}",
             "—" if e is None or e.top1 is None else f"{e.top1:.3f}",
+            *((_task_cell(o),) if r.tasks else ()),
             "—" if o.accuracy is None else f"{o.accuracy.weight_bits:.2f}",
             _gb(m.weights_per_gpu), f"{m.kv_per_token / 1024:,.0f} KiB",
             f"{m.kv_capacity_tokens:,} tok" if c.fits else "DOES NOT FIT",
@@ -69,16 +80,27 @@ def _rows(r) -> list[tuple[str, ...]]:
 COLUMNS = ("candidate", "lane", "PPL Δ% [95% CI]", "KL mean", "top-1", "W bits", "weights/GPU", "KV/token/GPU",
            "KV capacity", "TPOT 1 user", "max rate req/s", "binds", "in budget", "")
 
+#: the tasks column, after top-1, when the plan scored benchmarks
+TASK_COLUMN = "tasks Δ pts (flips ↓↑)"
+
+
+def _columns(r) -> tuple[str, ...]:
+    if not r.tasks:
+        return COLUMNS
+    i = COLUMNS.index("top-1") + 1
+    return COLUMNS[:i] + (TASK_COLUMN,) + COLUMNS[i:]
+
 
 #: columns the terminal table leaves to the page and the JSON
 _PAGE_ONLY = ("KV/token/GPU",)
 
 
 def plan_table(r) -> Table:
-    keep = [i for i, c in enumerate(COLUMNS) if c not in _PAGE_ONLY]
+    cols = _columns(r)
+    keep = [i for i, c in enumerate(cols) if c not in _PAGE_ONLY]
     t = Table(title=_title(r), title_justify="left")
     for i in keep:
-        t.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("candidate", "lane", "binds", "") else "right")
+        t.add_column(cols[i], justify="left" if cols[i] in ("candidate", "lane", "binds", "") else "right")
     for row in _rows(r):
         t.add_row(*(row[i] for i in keep))
     return t
@@ -120,7 +142,7 @@ def plot_pareto(r, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rec = r.recommendation
-    unit = "perplexity Δ%" if r.budget.metric == "ppl" else "mean KL"
+    unit = {"ppl": "perplexity Δ%", "kl": "mean KL", "task": "mean task-accuracy drop, points"}[r.budget.metric]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
     for ax, key, front, label in (
         (a, lambda o: o.capacity.rate, rec.front_rate, "max rate under the SLO (req/s)"),
@@ -187,11 +209,18 @@ def markdown(r, files: dict[str, str]) -> str:
     if r.served_note:
         out += [f"> **{r.served_note}**", ""]
     out += [_title(r) + ".", ""]
-    out += ["| " + " | ".join(c or "marks" for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    cols = _columns(r)
+    out += ["| " + " | ".join(c or "marks" for c in cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in _rows(r)]
     out += ["", "PPL Δ%, KL and top-1 agreement are measured against the unquantized model; weights, KV and rates "
             "are simulated for the served model. *binds*: the SLO target that fails first just above the max rate "
-            "(`bound`: the simulator's throughput bound was reached first).", "", "## Recommendation", ""]
+            "(`bound`: the simulator's throughput bound was reached first)."]
+    if r.tasks:
+        ex = ", ".join(f"{t} {n}" for t, n in r.tasks["examples"].items())
+        out += ["", f"*{TASK_COLUMN}*: the mean over {', '.join(r.tasks['tasks'])} ({ex} questions) of the headline "
+                "accuracy (acc_norm where the task has it, else acc) against the unquantized model's, in points; "
+                "↓ questions the reference answered right and the candidate wrong, ↑ the reverse."]
+    out += ["", "## Recommendation", ""]
     rec = r.recommendation
     out.append(f"- **{rec.pick}** — {rec.reason}" if rec.pick else f"- **No recommendation ({rec.verdict})**: {rec.reason}")
     if rec.latency_pick:
