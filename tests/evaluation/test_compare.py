@@ -65,7 +65,10 @@ def test_kv_stats(bench):
         assert r.k_absmax >= r.k_median > 0 and r.k_channel_spread >= 1
         assert r.k_err_head <= r.k_err_tensor + 1e-9  # a scale per head is never worse
     names = [r.recipe for r in res.comparison.rows]
-    assert names == ["reference", "kv-fp8", "kv-fp8-k", "kv-fp8-v", "kv-fp8-head"]
+    assert names == ["reference", "kv-fp8", "kv-fp8-k", "kv-fp8-v", "kv-fp8-head", "kv-fp8-k-centered", "kv-fp8-centered",
+                     "kv-int8-k-asym"]
+    for r in res.layers:
+        assert r.k_bias_ratio > 0 and r.k_err_signal >= r.k_err_tensor - 1e-9  # ‖K − mean‖ ≤ ‖K‖
 
 
 def test_bits_helpers(tiny_llama):

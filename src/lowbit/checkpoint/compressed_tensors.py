@@ -180,6 +180,9 @@ def kv_args(kv: KVConfig) -> dict:
     """``kv_cache_scheme`` for a KV config vLLM reads: FP8 E4M3, one calibrated scale per layer
     for keys and for values."""
     s = kv.scheme
+    if kv.center_keys:
+        raise _refuse("a KV cache with centered keys (center_keys)", "no serving engine subtracts a per-channel key "
+                      "mean at the cache write", "kv-fp8")
     if kv.value_scheme not in (None, s) or not (kv.keys and kv.values):
         raise _refuse("a KV cache with keys and values treated differently", "vLLM's FP8 cache quantizes both "
                       "keys and values with one format", "kv-fp8")

@@ -152,7 +152,7 @@ def cmd_kv_stats(args: argparse.Namespace) -> int:
 
     bench = _bench(args, args.model)
     res = kv_stats(bench, args.stat_windows, perplexity=not args.no_ppl)
-    tables = [render.kv_stats_table(res.layers, bench.info.name)]
+    tables = [render.kv_stats_table(res.layers, bench.info.name), render.kv_signal_table(res.layers, bench.info.name)]
     if res.comparison.rows:
         tables.append(render.comparison_table(res.comparison))
     render.print_tables(*tables)

@@ -4,7 +4,11 @@
 layer at a time and ranks them by KL divergence from the reference.  ``kv_stats`` looks
 at what each layer writes to the KV cache — the keys' range, median and outlier channels,
 the values' range — and at the error FP8 makes of it with one scale per layer and with
-one per head, next to the perplexity of K-only, V-only and per-head FP8 caches.
+one per head, next to the perplexity of K-only, V-only and per-head FP8 caches — and at the
+error against the signal: each K channel's mean and standard deviation across tokens, the
+largest |mean| / std (a channel that is mostly a constant offset), and the error relative to
+the across-token variation, for FP8 as is and for the two remedies (a calibrated key mean
+subtracted first; INT8 with a scale and zero point per channel).
 """
 
 from __future__ import annotations
@@ -73,17 +77,36 @@ class KVLayerStats:
     k_err_tensor: float  # ‖K − Q(K)‖ / ‖K‖ with FP8 and one scale per layer
     k_err_head: float  # ... with one scale per KV head
     v_err_tensor: float
+    # against the signal: what each channel varies by across tokens (σ), not its size
+    k_bias_ratio: float  # the largest |mean| / std of a K channel across tokens ("constant bias" channel)
+    k_err_signal: float  # ‖K − Q(K)‖ / ‖K − mean‖, FP8 one scale per layer (the mean per channel)
+    k_err_signal_worst: float  # the largest channel's RMS error / its own std
+    k_err_signal_centered: float  # ... calibrated key mean subtracted before FP8 (kv-fp8-k-centered)
+    k_err_signal_int8_asym: float  # ... INT8 with a scale and zero point per channel (kv-int8-k-asym)
+    v_err_signal: float  # ‖V − Q(V)‖ / ‖V − mean‖, FP8 one scale per layer
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-KV_RECIPES = ("kv-fp8", "kv-fp8-k", "kv-fp8-v", "kv-fp8-head")
+#: the evaluated KV recipes: FP8 on K+V, K, V, per head, and the remedies for keys that carry a
+#: constant offset (mean subtraction; per-channel scales with zero points)
+KV_RECIPES = ("kv-fp8", "kv-fp8-k", "kv-fp8-v", "kv-fp8-head", "kv-fp8-k-centered", "kv-fp8-centered",
+              "kv-int8-k-asym")
 
 
 def _rel_err(t: torch.Tensor, scheme: Scheme, amax: torch.Tensor) -> float:
     q = quantize_kv(t, scheme, amax)
     return float((t - q).norm() / t.norm())
+
+
+def _signal(t: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """Error of ``q`` against the across-token variation of ``t`` ``(1, heads, tokens, dim)``:
+    ``‖t − q‖ / ‖t − mean‖`` overall, and the largest channel's RMS error / std."""
+    centered = t - t.mean(dim=2, keepdim=True)
+    err = t - q
+    per_chan = err.pow(2).mean(dim=2).sqrt() / centered.pow(2).mean(dim=2).sqrt().clamp(min=1e-12)
+    return float(err.norm() / centered.norm().clamp(min=1e-12)), float(per_chan.max())
 
 
 @dataclass
@@ -113,6 +136,8 @@ def kv_stats(bench: Workbench, windows: int = 4, *, perplexity: bool = True) -> 
         model(input_ids=bench.windows[i : i + 1], use_cache=True, **{kw: make_cache(model.config, keep)})
     fp8 = PRESETS["fp8-tensor"]
     fp8_head = replace(fp8, granularity=HEAD)
+    int8_asym = RECIPES["kv-int8-k-asym"].kv_cache.scheme
+    moments = bench.stats.k_moments  # the calibrated key means, as kv-fp8-k-centered uses them
     rows = []
     for layer in sorted(ks):
         k = torch.cat(ks[layer], dim=1)[None]  # (1, heads, tokens, dim)
@@ -120,6 +145,12 @@ def kv_stats(bench: Workbench, windows: int = 4, *, perplexity: bool = True) -> 
         ka, va = k.abs(), v.abs()
         chan = ka.amax(dim=(0, 2)).reshape(-1)  # per (head, channel)
         head = ka.amax(dim=(0, 2, 3))
+        mean, std = k.mean(dim=2), k.std(dim=2)
+        mu = moments[layer].mean[None, :, None, :]
+        k_sig, k_worst = _signal(k, quantize_kv(k, fp8, ka.max().reshape(1)))
+        k_cen, _ = _signal(k, quantize_kv(k - mu, fp8, (k - mu).abs().max().reshape(1)) + mu)
+        k_asym, _ = _signal(k, quantize_kv(k, int8_asym))
+        v_sig, _ = _signal(v, quantize_kv(v, fp8, va.max().reshape(1)))
         rows.append(
             KVLayerStats(
                 layer=layer,
@@ -132,6 +163,12 @@ def kv_stats(bench: Workbench, windows: int = 4, *, perplexity: bool = True) -> 
                 k_err_tensor=_rel_err(k, fp8, ka.max().reshape(1)),
                 k_err_head=_rel_err(k, fp8_head, head),
                 v_err_tensor=_rel_err(v, fp8, va.max().reshape(1)),
+                k_bias_ratio=float((mean.abs() / std.clamp(min=1e-12)).max()),
+                k_err_signal=k_sig,
+                k_err_signal_worst=k_worst,
+                k_err_signal_centered=k_cen,
+                k_err_signal_int8_asym=k_asym,
+                v_err_signal=v_sig,
             )
         )
     comparison = bench.describe()

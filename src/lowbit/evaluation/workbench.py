@@ -18,7 +18,7 @@ from torch import nn
 from ..data import windows as data
 from ..models.assets import cache_dir
 from ..models.loading import ModelInfo, load_model
-from ..quantization.calibrate import CalibStats, collect_stats
+from ..quantization.calibrate import STATS_FORMAT, CalibStats, collect_stats
 from .metrics import DEFAULT_TOPK, Eval, Reference, evaluate, reference_predictions, summarize_reference
 from ..quantization.pipeline import quantize
 from ..quantization.recipe import Recipe
@@ -201,7 +201,8 @@ class Workbench:
         if self._stats is None:
             if len(self.calib_windows) == 0:
                 raise ValueError("this configuration needs calibration data; use --calib-windows > 0")
-            path = self.cache / "calibration" / f"{self.info.name}-{self._key(self.calib_windows)}.safetensors"
+            key = self._key(self.calib_windows, STATS_FORMAT)
+            path = self.cache / "calibration" / f"{self.info.name}-{key}.safetensors"
             self._stats = self._cached(
                 "calibration", path, CalibStats.load,
                 lambda: collect_stats(self.model, self.calib_windows, progress=self.progress, workers=self.workers),

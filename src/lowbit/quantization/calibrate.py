@@ -1,8 +1,9 @@
 """Calibration statistics: what static scales are computed from.
 
 One pass over the calibration windows records, with hooks that are always removed:
-the absmax of every input channel of every Linear, and the absmax per KV head of the
-keys (after RoPE) and values written to the cache.  Statistics are saved with
+the absmax of every input channel of every Linear, the absmax per KV head of the
+keys (after RoPE) and values written to the cache, and the keys' per-channel sum, minimum
+and maximum (:class:`lowbit.quantization.kv.KeyMoments`).  Statistics are saved with
 safetensors so that a model and data pair is calibrated once.
 """
 
@@ -18,11 +19,15 @@ import torch
 from torch import nn
 
 from ..models.experts import unfuse_experts
-from .kv import KVObserver, cache_kwarg, make_cache
+from .kv import KeyMoments, KVObserver, cache_kwarg, make_cache
 from ..util.io import load_tensors, save_tensors
 from ..util.parallel import map_shards
 
-__all__ = ["CalibStats", "collect_stats", "record_input_absmax"]
+__all__ = ["CalibStats", "collect_stats", "record_input_absmax", "STATS_FORMAT"]
+
+#: enters the calibration cache key: bump when :class:`CalibStats` gains a statistic, so that
+#: files without it are not read back
+STATS_FORMAT = 2
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +35,22 @@ log = logging.getLogger(__name__)
 @dataclass
 class CalibStats:
     """Per-Linear input channel absmax ``(in_features,)``, per-layer K and V absmax
-    ``(kv_heads,)``, and how many tokens they were taken from."""
+    ``(kv_heads,)``, per-layer key moments, and how many tokens they were taken from."""
 
     input_absmax: dict[str, torch.Tensor] = field(default_factory=dict)
     k_absmax: dict[int, torch.Tensor] = field(default_factory=dict)
     v_absmax: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
+    k_moments: dict[int, KeyMoments] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
         """Atomically, with a checksum (:func:`lowbit.util.io.save_tensors`)."""
         t = {f"in/{k}": v for k, v in self.input_absmax.items()}
         t |= {f"k/{i}": v for i, v in self.k_absmax.items()}
         t |= {f"v/{i}": v for i, v in self.v_absmax.items()}
+        for i, m in self.k_moments.items():
+            t |= {f"ksum/{i}": m.sum, f"kmin/{i}": m.min, f"kmax/{i}": m.max,
+                  f"kcount/{i}": torch.tensor([m.count], dtype=torch.int64)}
         save_tensors(path, t, metadata={"tokens": str(self.tokens)})
 
     @classmethod
@@ -58,6 +67,8 @@ class CalibStats:
                 s.k_absmax[int(name)] = v
             elif kind == "v":
                 s.v_absmax[int(name)] = v
+        for i in {int(k.partition("/")[2]) for k in t if k.startswith("ksum/")}:
+            s.k_moments[i] = KeyMoments(t[f"ksum/{i}"], t[f"kmin/{i}"], t[f"kmax/{i}"], int(t[f"kcount/{i}"][0]))
         return s
 
 
@@ -121,7 +132,7 @@ def _collect(model: nn.Module, windows: torch.Tensor, progress: bool, workers: i
                 body(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
                 stats.tokens += ids.numel()
                 tick()
-        stats.k_absmax, stats.v_absmax = obs.k_absmax, obs.v_absmax
+        stats.k_absmax, stats.v_absmax, stats.k_moments = obs.k_absmax, obs.v_absmax, obs.k_moments
         return stats
 
     parts = map_shards(shard, len(windows), workers=workers, description="calibrating", progress=progress)
@@ -131,5 +142,7 @@ def _collect(model: nn.Module, windows: torch.Tensor, progress: bool, workers: i
                              (stats.v_absmax, p.v_absmax)):
             for key, v in theirs.items():
                 mine[key] = torch.maximum(mine[key], v) if key in mine else v
+        for key, m in p.k_moments.items():
+            stats.k_moments[key] = stats.k_moments[key].merge(m) if key in stats.k_moments else m
     log.info("calibrated on %d tokens", stats.tokens)
     return stats

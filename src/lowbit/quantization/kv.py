@@ -23,7 +23,7 @@ from ..numerics.qtensor import QParams, fake_quantize
 from .recipe import KVConfig
 from ..numerics.scheme import Scheme
 
-__all__ = ["KVPlan", "kv_plan", "make_cache", "cache_kwarg", "quantize_kv", "KVObserver"]
+__all__ = ["KVPlan", "KeyMoments", "kv_plan", "make_cache", "cache_kwarg", "quantize_kv", "KVObserver"]
 
 OnWrite = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -47,25 +47,67 @@ def quantize_kv(t: torch.Tensor, scheme: Scheme, static_amax: torch.Tensor | Non
 
 
 @dataclass(frozen=True)
+class KeyMoments:
+    """Per (head, channel) of one layer's keys: the sum, minimum and maximum over ``count``
+    tokens — what a calibrated key mean and the range of the centered keys come from."""
+
+    sum: torch.Tensor  # (heads, dim) float64
+    min: torch.Tensor  # (heads, dim)
+    max: torch.Tensor
+    count: int
+
+    @classmethod
+    def of(cls, k: torch.Tensor) -> KeyMoments:
+        """Of keys ``(batch, heads, seq, dim)``."""
+        k = k.detach()
+        return cls(k.double().sum(dim=(0, 2)), k.amin(dim=(0, 2)).float(), k.amax(dim=(0, 2)).float(),
+                   k.shape[0] * k.shape[2])
+
+    def merge(self, other: KeyMoments) -> KeyMoments:
+        return KeyMoments(self.sum + other.sum, torch.minimum(self.min, other.min), torch.maximum(self.max, other.max),
+                          self.count + other.count)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """``(heads, dim)`` float32."""
+        return (self.sum / max(self.count, 1)).float()
+
+    def centered_absmax(self) -> torch.Tensor:
+        """Per head, the largest |k − mean| any calibration key had (exact: from each channel's
+        minimum and maximum)."""
+        m = self.mean
+        return torch.maximum(self.max - m, m - self.min).amax(dim=-1)
+
+
+@dataclass(frozen=True)
 class KVPlan:
-    """What to do at each layer's cache write: the schemes, and calibrated absmax per
-    layer (scalar or per head) for static schemes."""
+    """What to do at each layer's cache write: the schemes, calibrated absmax per layer
+    (scalar or per head) for static schemes, and the calibrated key means when keys are
+    centered (:attr:`KVConfig.center_keys`) — then the keys' absmax is the centered keys'."""
 
     config: KVConfig
     k_amax: dict[int, torch.Tensor]
     v_amax: dict[int, torch.Tensor]
+    k_mean: dict[int, torch.Tensor] | None = None  # (heads, dim) per layer
 
     def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         if c.keys:
-            k = quantize_kv(k, c.scheme, None if c.scheme.dynamic else self.k_amax[layer])
+            amax = None if c.scheme.dynamic else self.k_amax[layer]
+            if self.k_mean is not None:
+                mu = self.k_mean[layer].to(k.dtype)[None, :, None, :]
+                k = quantize_kv(k - mu, c.scheme, amax) + mu
+            else:
+                k = quantize_kv(k, c.scheme, amax)
         if c.values:
             v = quantize_kv(v, c.v_scheme, None if c.v_scheme.dynamic else self.v_amax[layer])
         return k, v
 
 
-def kv_plan(config: KVConfig, k_absmax: dict[int, torch.Tensor], v_absmax: dict[int, torch.Tensor]) -> KVPlan:
-    """A plan from per-layer, per-head calibrated absmax (see :class:`KVObserver`)."""
+def kv_plan(config: KVConfig, k_absmax: dict[int, torch.Tensor], v_absmax: dict[int, torch.Tensor],
+            k_moments: dict[int, KeyMoments] | None = None) -> KVPlan:
+    """A plan from per-layer, per-head calibrated absmax (see :class:`KVObserver`), and the
+    keys' moments when ``config.center_keys``."""
 
     def reduce(amax: dict[int, torch.Tensor], scheme: Scheme, needed: bool) -> dict[int, torch.Tensor]:
         if not needed or scheme.dynamic:
@@ -76,20 +118,31 @@ def kv_plan(config: KVConfig, k_absmax: dict[int, torch.Tensor], v_absmax: dict[
             return {i: a.max().reshape(1) for i, a in amax.items()}
         return dict(amax)  # per head
 
-    return KVPlan(config, reduce(k_absmax, config.scheme, config.keys), reduce(v_absmax, config.v_scheme, config.values))
+    mean = None
+    if config.center_keys:
+        if not k_moments:
+            raise ValueError("center_keys needs calibration statistics (the keys' per-channel mean per layer)")
+        mean = {i: m.mean for i, m in k_moments.items()}
+        k_absmax = {i: m.centered_absmax() for i, m in k_moments.items()}
+    return KVPlan(config, reduce(k_absmax, config.scheme, config.keys), reduce(v_absmax, config.v_scheme, config.values),
+                  mean)
 
 
 class KVObserver:
-    """Records per-layer, per-head absmax of keys and values at the cache write."""
+    """Records per-layer, per-head absmax of keys and values at the cache write, and the
+    keys' per-channel moments (:class:`KeyMoments`)."""
 
     def __init__(self) -> None:
         self.k_absmax: dict[int, torch.Tensor] = {}
         self.v_absmax: dict[int, torch.Tensor] = {}
+        self.k_moments: dict[int, KeyMoments] = {}
 
     def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for store, t in ((self.k_absmax, k), (self.v_absmax, v)):
             a = t.detach().abs().amax(dim=(0, 2, 3)).float()
             store[layer] = torch.maximum(store[layer], a) if layer in store else a
+        m = KeyMoments.of(k)
+        self.k_moments[layer] = self.k_moments[layer].merge(m) if layer in self.k_moments else m
         return k, v
 
 

@@ -156,6 +156,7 @@ class LayerPass:
         if obs is not None:
             ctx.stats.k_absmax.update(obs.k_absmax)
             ctx.stats.v_absmax.update(obs.v_absmax)
+            ctx.stats.k_moments.update(obs.k_moments)
         return outputs, weight_seconds
 
     def _report_rounded_experts(self, i: int) -> None:

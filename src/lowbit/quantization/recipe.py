@@ -59,16 +59,27 @@ class KVConfig:
     ``token`` (per head and token, over the head dim) or ``channel`` (per head and
     channel, over the tokens — KIVI's key layout).  Static schemes (``dynamic: false``)
     take their scales from calibration; only ``tensor`` and ``head`` can be static.
+
+    ``center_keys``: subtract a calibrated per-channel mean of the keys (per head and channel,
+    after RoPE) before quantizing, and add it back after.  Exact for attention — a vector
+    added to every key shifts all of one query's scores by the same amount, which softmax
+    ignores — so only the quantization error changes: it scales with what a channel varies
+    by across tokens instead of with its constant offset.  No serving engine applies it at
+    the cache write (a k_proj bias cannot carry it: RoPE rotates the bias by position), so it
+    is for measurement; the exporter refuses it.
     """
 
     scheme: Scheme
     keys: bool = True
     values: bool = True
     value_scheme: Scheme | None = None  # a different scheme for values (KIVI: per-token values)
+    center_keys: bool = False
 
     def __post_init__(self) -> None:
         if not (self.keys or self.values):
             raise ValueError("at least one of keys / values must be quantized")
+        if self.center_keys and not self.keys:
+            raise ValueError("center_keys: needs keys: true (it centers the keys before quantizing them)")
         for s in (self.scheme, self.value_scheme):
             if s is None:
                 continue
@@ -202,7 +213,7 @@ class Recipe:
         scales, static KV)."""
         static_in = any(r.inputs is not None and (not r.inputs.dynamic or r.inputs.global_scale) for r in self.rules)
         static_kv = self.kv_cache is not None and (
-            not self.kv_cache.scheme.dynamic or not self.kv_cache.v_scheme.dynamic
+            not self.kv_cache.scheme.dynamic or not self.kv_cache.v_scheme.dynamic or self.kv_cache.center_keys
         )
         return static_in or static_kv
 
@@ -215,7 +226,7 @@ class Recipe:
         if self.kv_cache:
             kv = self.kv_cache
             which = "K+V" if kv.keys and kv.values else ("K" if kv.keys else "V")
-            parts.append(f"KV {which}[{kv.scheme}]")
+            parts.append(f"KV {which}[{kv.scheme}]" + (" keys centered" if kv.center_keys else ""))
         return "; ".join(parts) or "(nothing quantized)"
 
 
@@ -336,6 +347,13 @@ RECIPES: dict[str, Recipe] = {
         _preset("kv-fp8-v", "KV cache FP8, values only", kv={"scheme": "fp8-tensor", "keys": False}),
         _preset("kv-fp8-head", "KV cache FP8, calibrated per-head scales",
                 kv={"scheme": {"format": "fp8_e4m3", "granularity": "head"}}),
+        _preset("kv-fp8-k-centered", "KV cache FP8, keys only, calibrated per-channel key mean subtracted first",
+                kv={"scheme": "fp8-tensor", "values": False, "center_keys": True}),
+        _preset("kv-fp8-centered", "KV cache FP8, calibrated per-tensor scales, per-channel key mean subtracted first",
+                kv={"scheme": "fp8-tensor", "center_keys": True}),
+        _preset("kv-int8-k-asym", "KV cache INT8 asymmetric keys only, one scale and zero point per channel",
+                kv={"scheme": {"format": "uint8", "granularity": "channel", "symmetric": False, "dynamic": True,
+                               "scale_dtype": "fp16"}, "values": False}),
         _preset("kv-int4-kivi", "KV cache INT4 asymmetric: keys per channel, values per token (KIVI)",
                 kv={"scheme": {"format": "uint4", "granularity": "channel", "symmetric": False, "dynamic": True,
                                "scale_dtype": "fp16"},

@@ -144,4 +144,5 @@ def kv_plan_from(recipe: Recipe, stats: CalibStats | None):
     """The KV plan of ``recipe`` with static scales from ``stats``."""
     if recipe.kv_cache is None:
         return None
-    return kv_plan(recipe.kv_cache, stats.k_absmax if stats else {}, stats.v_absmax if stats else {})
+    return kv_plan(recipe.kv_cache, stats.k_absmax if stats else {}, stats.v_absmax if stats else {},
+                   stats.k_moments if stats else {})

@@ -158,3 +158,16 @@ def kv_stats_table(rows, model: str) -> Table:
                   f"{r.k_head_spread:.2f}", num(r.v_absmax), num(r.v_median), f"{r.k_err_tensor:.4f}",
                   f"{r.k_err_head:.4f}", f"{r.v_err_tensor:.4f}")
     return t
+
+
+def kv_signal_table(rows, model: str) -> Table:
+    """The error against what the signal varies by: relative to ‖x − mean over tokens‖."""
+    t = Table(title=f"{model}: the KV error against the signal (‖x − Q(x)‖ / ‖x − mean‖, the mean per channel "
+              "across tokens)", title_justify="left")
+    for col in ("layer", "K max |mean|/std", "K FP8", "K FP8 worst channel", "K FP8 centered", "K INT8 asym/channel",
+                "V FP8"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r.layer), f"{r.k_bias_ratio:.1f}", f"{r.k_err_signal:.4f}", f"{r.k_err_signal_worst:.4f}",
+                  f"{r.k_err_signal_centered:.4f}", f"{r.k_err_signal_int8_asym:.4f}", f"{r.v_err_signal:.4f}")
+    return t
