@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
                "planning", "engines"},
     "cli": {"util", "numerics", "models", "data", "quantization", "evaluation", "checkpoint", "sim",
             "workflows", "planning", "engines", "report"},
+    "__main__": {"cli"},  # ``python -m lowbit``: the CLI and nothing else
 }
 
 
