@@ -359,6 +359,11 @@ RECIPES: dict[str, Recipe] = {
                                "scale_dtype": "fp16"},
                     "value_scheme": {"format": "uint4", "granularity": "token", "symmetric": False, "dynamic": True,
                                      "scale_dtype": "fp16"}}),
+        _preset("kv-int2-kivi", "KV cache INT2 asymmetric: keys per channel, values per token (KIVI)",
+                kv={"scheme": {"format": "uint2", "granularity": "channel", "symmetric": False, "dynamic": True,
+                               "scale_dtype": "fp16"},
+                    "value_scheme": {"format": "uint2", "granularity": "token", "symmetric": False, "dynamic": True,
+                                     "scale_dtype": "fp16"}}),
     )
 }
 

@@ -171,3 +171,18 @@ def kv_signal_table(rows, model: str) -> Table:
         t.add_row(str(r.layer), f"{r.k_bias_ratio:.1f}", f"{r.k_err_signal:.4f}", f"{r.k_err_signal_worst:.4f}",
                   f"{r.k_err_signal_centered:.4f}", f"{r.k_err_signal_int8_asym:.4f}", f"{r.v_err_signal:.4f}")
     return t
+
+
+def long_context_table(res) -> Table:
+    """One row per (recipe, position bucket): perplexity, Δ% against the reference on the same
+    tokens, and KL, with 95% intervals over windows."""
+    t = Table(title=f"{res.model}: by position, {res.windows} windows of {res.length:,} tokens of {res.corpus} (test)",
+              title_justify="left")
+    for col in ("recipe", "positions", "tokens", "PPL", "Δ% PPL [95% CI]", "KL mean [95% CI]"):
+        t.add_column(col, justify="left" if col == "recipe" else "right")
+    for r in res.rows:
+        for i, b in enumerate(r.buckets):
+            delta = "—" if b.delta_pct is None else f"{b.delta_pct:+.2f} [{b.delta_ci[0]:+.2f}, {b.delta_ci[1]:+.2f}]"
+            kl = "—" if b.kl_mean is None else f"{b.kl_mean:.5f} [{b.kl_ci[0]:.5f}, {b.kl_ci[1]:.5f}]"
+            t.add_row(r.recipe if i == 0 else "", f"{b.lo:,}–{b.hi:,}", f"{b.tokens:,}", f"{b.ppl:.3f}", delta, kl)
+    return t
