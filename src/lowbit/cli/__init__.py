@@ -246,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_sim(sub)
     from .verify import register as register_verify; register_verify(sub)  # noqa: E702
     from .plan import register as register_plan; register_plan(sub)  # noqa: E702
+    from .search import register as register_search; register_search(sub)  # noqa: E702
     return p
 
 
