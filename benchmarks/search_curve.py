@@ -38,7 +38,14 @@ def main() -> None:
     ap.add_argument("--uniform", default="", help="uniform recipes to evaluate here too (comma-separated)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--replot", action="store_true", help="only draw --png from the points already in --json")
     args = ap.parse_args()
+    if args.replot:
+        from lowbit.report.search import plot_curve
+
+        data = json.loads(Path(args.json).read_text())
+        print(plot_curve(data["points"], args.png, f"{data['model']}: measured loss against average bits", force=True))
+        return
 
     out: dict = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
                  "load_average_start": os.getloadavg(), "points": []}
@@ -49,7 +56,7 @@ def main() -> None:
 
     cands = parse_candidates(args.candidates)
     bench = Workbench.load(args.model, windows=args.windows, calib_windows=max(args.score_windows, 16),
-                           progress=False)
+                           progress=True)
     bench.reference  # computed (or read) before any timing
     t0 = time.perf_counter()
     first, scores = search(bench, cands, float(args.budgets.split(",")[0]), score_windows=args.score_windows)
@@ -58,6 +65,29 @@ def main() -> None:
     print("search", out["search_seconds"], flush=True)
     save()
 
+    def point(kind, label, row, bits, predicted=None, extra=None):
+        e = row.eval
+        out["points"].append({"kind": kind, "label": label, "bits": bits, "weight_bits_measured": row.weight_bits,
+                              "kl": e.kl_mean, "kl_ci": e.kl_ci, "ppl": e.ppl, "ppl_delta": e.delta_pct,
+                              "top1": e.top1, "predicted_kl": predicted, "load_average": os.getloadavg(),
+                              "eval_seconds": e.seconds, **(extra or {})})
+        print(out["points"][-1], flush=True)
+        save()
+
+    def searched(budget, label=None):
+        res, _ = search(bench, cands, budget, scores=scores, name=label)
+        measure(bench, res)
+        point("search", res.recipe.name, res.measured, res.average_bits, res.predicted_kl,
+              {"budget": budget, "counts": res.counts(), "recipe_yaml": res.recipe_yaml})
+        return res
+
+    budgets = [float(b) for b in args.budgets.split(",")]
+    searched(budgets[0])
+    for name in [x for x in args.uniform.split(",") if x]:
+        from lowbit.quantization.recipe import load_recipe
+
+        row = bench.run(load_recipe(name))
+        point("uniform", name, row, row.weight_bits)
     # the proxy against the measured single-unit KL, on random (unit, format) pairs
     units = units_of(bench.model)
     quantized = [c for c in cands if c.scheme is not None]
@@ -80,24 +110,6 @@ def main() -> None:
     print("validation", out["validation"]["spearman"], out["validation"]["sum_ratio_predicted_over_measured"], flush=True)
     save()
 
-    def point(kind, label, row, bits, predicted=None, extra=None):
-        e = row.eval
-        out["points"].append({"kind": kind, "label": label, "bits": bits, "weight_bits_measured": row.weight_bits,
-                              "kl": e.kl_mean, "kl_ci": e.kl_ci, "ppl": e.ppl, "ppl_delta": e.delta_pct,
-                              "top1": e.top1, "predicted_kl": predicted, "load_average": os.getloadavg(),
-                              "eval_seconds": e.seconds, **(extra or {})})
-        print(out["points"][-1], flush=True)
-        save()
-
-    def searched(budget, label=None):
-        res, _ = search(bench, cands, budget, scores=scores, name=label)
-        measure(bench, res)
-        point("search", res.recipe.name, res.measured, res.average_bits, res.predicted_kl,
-              {"budget": budget, "counts": res.counts(), "recipe_yaml": res.recipe_yaml})
-        return res
-
-    budgets = [float(b) for b in args.budgets.split(",")]
-    searched(budgets[0])
     base, high = parse_candidates(f"{args.heuristic_base},{args.heuristic_high}")[:2]
     for kind in ("edges", "down"):
         r = heuristic_recipe(bench.model, base, high, kind)
@@ -106,11 +118,6 @@ def main() -> None:
         searched(row.weight_bits, f"search-at-{kind}")
     for b in budgets[1:]:
         searched(b)
-    for name in [x for x in args.uniform.split(",") if x]:
-        from lowbit.quantization.recipe import load_recipe
-
-        row = bench.run(load_recipe(name))
-        point("uniform", name, row, row.weight_bits)
     if args.png:
         from lowbit.report.search import plot_curve
 

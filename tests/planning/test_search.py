@@ -165,9 +165,10 @@ def test_mix_exports_several_config_groups(bench, searched, tmp_path):
 def test_mix_with_gptq(bench):
     """A calibration recipe's algorithms run on the searched mix (layer by layer)."""
     cands = parse_candidates("int4-g128,int8-channel")
-    res, _ = search(bench, cands, 6.0, score_windows=4, algorithms="w4a16-gptq-g128")
+    res, scores = search(bench, cands, 6.0, score_windows=4, algorithms="w4a16-gptq-g128")
     assert res.recipe.algorithms.gptq is not None
-    rtn, _ = search(bench, cands, 6.0, score_windows=4)
+    rtn, _ = search(bench, cands, 6.0, scores=scores)
+    assert [c.candidate for c in rtn.choices] == [c.candidate for c in res.choices]
     measure(bench, res)
     measure(bench, rtn)
     assert res.measured.weight_bits == rtn.measured.weight_bits
@@ -189,3 +190,17 @@ def test_costs_are_integers(bench):
     units = units_of(bench.model)
     costs = unit_costs(units, parse_candidates("int4-channel,bf16"))
     assert costs[0][1] == 16 * units[0].params and all(isinstance(x, int) for r in costs for x in r)
+
+
+def test_cli_refuses_bad_input_before_loading(tmp_path, capsys):
+    from lowbit.cli import main
+
+    args = ["search", "no-such-model", "--budget-bits", "4.5"]
+    assert main(args + ["--candidates", "fp8-dynamic"]) == 2
+    assert "weight formats only" in capsys.readouterr().err
+    out = tmp_path / "mix.yaml"
+    out.write_text("name: kept\n")
+    assert main(args + ["--candidates", "nvfp4", "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and out.read_text() == "name: kept\n"
+    assert main(args + ["--candidates", "nvfp4", "--algorithms", "no-such-recipe"]) == 2
+    assert "unknown recipe" in capsys.readouterr().err
