@@ -68,3 +68,16 @@ def test_low_memory_quantize_writes_the_in_memory_checkpoint(tmp_path, capsys):
     a, b = read_tensors(lm, list(lm)), read_tensors(whole, list(whole))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_searched_mix_beats_uniform_nvfp4_at_its_bits(bench):
+    """lowbit search at 4.5 average bits (INT4 g128 / NVFP4 / INT8 / bf16 per fused unit)
+    loses less than uniform NVFP4 (4.5 bits), and its prediction is on the measured scale."""
+    from lowbit.planning.search import measure, parse_candidates, search
+
+    res, _ = search(bench, parse_candidates("int4-g128,nvfp4,int8-channel"), 4.5, score_windows=4)
+    measure(bench, res)
+    uniform = bench.run(RECIPES["w4a16-nvfp4"])
+    assert res.measured.weight_bits <= uniform.weight_bits
+    assert res.measured.eval.kl_mean < uniform.eval.kl_mean
+    assert 0.33 < res.measured.eval.kl_mean / res.predicted_kl < 3

@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .verify import register as register_verify; register_verify(sub)  # noqa: E702
     from .plan import register as register_plan; register_plan(sub)  # noqa: E702
     from .longctx import register as register_long; register_long(sub)  # noqa: E702
+    from .search import register as register_search; register_search(sub)  # noqa: E702
     return p
 
 
