@@ -75,3 +75,9 @@ def test_loss_on_is_checked(tiny_llama, tmp_path, byte_bpe_tokenizer):
     assert bench.loss_mask is None and bench.calib_windows.shape == (2, 8) and bench.windows.dtype == torch.int64
     with pytest.raises(SystemExit):
         build_parser().parse_args(["compare", "--loss-on", "user"])
+
+
+def test_assets_list_names_the_code_corpus(capsys):
+    assert main(["assets", "list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("code "))
+    assert "built in" in line and "standard library" in line

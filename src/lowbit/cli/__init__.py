@@ -46,6 +46,8 @@ def cmd_assets(args: argparse.Namespace) -> int:
     if args.action == "list":
         for name, a in {**assets.MODEL_ASSETS, **assets.CORPUS_ASSETS}.items():
             print(f"{name:<14} {type(a).__name__:<12} {getattr(a, 'note', '') or ''}")
+        for name, note in assets.BUILTIN_CORPORA.items():  # built from this machine: nothing to fetch
+            print(f"{name:<14} {'built in':<12} {note}")
         from ..data.tasks import TASKS_ASSET
 
         print(f"{'tasks':<14} {type(TASKS_ASSET).__name__:<12} {TASKS_ASSET.note}")
