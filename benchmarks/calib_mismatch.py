@@ -33,10 +33,42 @@ from lowbit.quantization.runtime import quantized_execution
 from lowbit.util.io import atomic_write_text
 
 
+def _cell(e: dict, intervals: bool) -> str:
+    if not intervals:
+        return f"{e['delta_pct']:+.1f}% / {e['kl_mean']:.4f}"
+    (dl, dh), (kl, kh) = e["delta_ci"], e["kl_ci"]
+    return f"{e['delta_pct']:+.1f}% [{dl:+.1f}, {dh:+.1f}] / {e['kl_mean']:.4f} [{kl:.4f}, {kh:.4f}] / {e['top1']:.3f}"
+
+
+def table(paths: list[Path], intervals: bool = False) -> str:
+    """The measured cells of ``--json`` files (runs of one protocol) as one markdown table: a row
+    per (recipe, calibration corpus), a column per evaluation corpus, each cell ``PPL Δ% / KL``
+    (``intervals``: with their 95% bootstrap intervals, and top-1 agreement)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    d = runs[0]
+    for r in runs[1:]:
+        if (r["model"], r["windows"], r["seq_len"], r["calib_windows"], r["seed"], r["reference"]) != \
+                (d["model"], d["windows"], d["seq_len"], d["calib_windows"], d["seed"], d["reference"]):
+            raise SystemExit("--table: the files were measured under different protocols")
+    evals = list(d["reference"])
+    rows: dict[tuple[str, str], dict[str, dict]] = {}
+    for c in (c for r in runs for c in r["cells"]):
+        rows.setdefault((c["recipe"], c["calib"]), {})[c["eval"]] = c["eval_result"]
+    head = ["recipe", "calibrated on", *(f"eval {e} (ref PPL {d['reference'][e]['ppl']:.2f})" for e in evals)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (recipe, calib), cells in rows.items():
+        vals = [_cell(cells[e], intervals) if e in cells else "—" for e in evals]
+        lines.append(f"| {recipe} | {'— (RTN)' if calib == 'none' else calib} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", metavar="JSON", type=Path, nargs="+",
+                   help="print the markdown table of finished --json files (one protocol) and exit")
+    p.add_argument("--intervals", action="store_true", help="with --table: 95%% intervals and top-1 too")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--methods", required=True, help="calibrated recipes, comma-separated")
+    p.add_argument("--methods", help="calibrated recipes, comma-separated")
     p.add_argument("--baselines", default="", help="one recipe without calibration data (RTN) per method, in order")
     p.add_argument("--calib", default="wiki,brown,code,wiki+brown+code")
     p.add_argument("--eval", default="wiki,brown,code")
@@ -44,9 +76,14 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", required=True)
+    p.add_argument("--json")
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
+    if args.table:
+        print(table(args.table, args.intervals))
+        return
+    if not args.methods or not args.json:
+        p.error("--methods and --json are needed to measure")
     out = Path(args.json)
     if out.exists() and not args.force:
         raise SystemExit(f"{out} exists; pass --force to overwrite it")
