@@ -120,3 +120,35 @@ def test_tokenizer_fingerprint_tracks_the_tokenizer(tokenizer):
     assert data.tokenizer_fingerprint(other) == data.tokenizer_fingerprint(tokenizer)
     other.backend_tokenizer.post_processor = None
     assert data.tokenizer_fingerprint(other) != data.tokenizer_fingerprint(tokenizer)
+
+
+def _corpus(root, name: str, text: str, n: int = 10):
+    folder = root / name
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"{i:03d}.txt").write_text(f"{text} {i}. " * 30)
+    return str(folder)
+
+
+def test_calibration_for_one_corpus_is_the_old_calibration(tokenizer, tmp_path):
+    a = _corpus(tmp_path, "a", "The cat sat on the mat")
+    cache = tmp_path / "cache"
+    got = data.calibration_for(tokenizer, a, 6, 16, seed=3, cache=cache)
+    expected = calibration_windows(data.stream_for(tokenizer, a, "train", cache=cache), 6, 16, 3)
+    assert torch.equal(got, expected)
+
+
+def test_calibration_mixture_takes_equal_parts_in_order(tokenizer, tmp_path):
+    a = _corpus(tmp_path, "a", "The cat sat on the mat")
+    b = _corpus(tmp_path, "b", "Document number one")
+    cache = tmp_path / "cache"
+    mix = data.calibration_for(tokenizer, f"{a}+{b}", 5, 16, seed=0, bos_token_id=1, cache=cache)
+    assert mix.shape == (5, 16) and (mix[:, 0] == 1).all()
+    assert torch.equal(mix[:3], data.calibration_for(tokenizer, a, 3, 16, seed=0, bos_token_id=1, cache=cache))
+    assert torch.equal(mix[3:], data.calibration_for(tokenizer, b, 2, 16, seed=0, bos_token_id=1, cache=cache))
+    assert data.corpus_parts("wiki+brown+code") == ["wiki", "brown", "code"]
+    plus = tmp_path / "c+d.txt"
+    plus.write_text("a file whose name has a plus")
+    assert data.corpus_parts(str(plus)) == [str(plus)]  # an existing path is one corpus
+    with pytest.raises(ValueError, match="empty part"):
+        data.corpus_parts("wiki+")

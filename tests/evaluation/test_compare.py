@@ -74,3 +74,26 @@ def test_kv_stats(bench):
 def test_bits_helpers(tiny_llama):
     assert weight_bits(tiny_llama, None) == 16
     assert kv_bits(RECIPES["kv-fp8-k"]) == 12 and kv_bits(None) == 16
+
+
+def test_another_calibration_corpus_is_another_cache_entry(bench):
+    """Rows and calibration statistics are keyed by the calibration windows, which come from
+    the calibration corpus: a bench calibrated elsewhere reads none of the other's entries."""
+    from lowbit.evaluation.rowcache import cached_row, row_path
+
+    g = torch.Generator().manual_seed(2)
+    other = Workbench(bench.model, None, bench.info, bench.windows, torch.randint(0, 256, (4, 24), generator=g),
+                      "synthetic", 0, bench.cache, kl_topk=64, progress=False, calib_corpus="other")
+    recipe = RECIPES["fp8-tensor"]  # static activation scales: the statistics matter
+    assert row_path(bench, recipe) != row_path(other, recipe)
+    mine, theirs = cached_row(bench, recipe), cached_row(other, recipe)
+    assert len(list((bench.cache / "calibration").glob("*.safetensors"))) == 2
+    assert len(list((bench.cache / "rows").glob("*.json"))) == 2
+    assert mine.eval.kl_mean != theirs.eval.kl_mean
+    assert other.describe().calib_corpus == "other" and bench.describe().calib_corpus == "synthetic"
+    # a loss mask is part of a row's key too
+    masked = Workbench(bench.model, None, bench.info, bench.windows, bench.calib_windows, "synthetic", 0,
+                       bench.cache, kl_topk=64, progress=False,
+                       loss_mask=torch.ones(len(bench.windows), bench.windows.shape[1] - 1, dtype=torch.bool))
+    assert row_path(masked, recipe) != row_path(bench, recipe)
+    assert masked.describe().loss_on == "assistant"

@@ -68,3 +68,46 @@ def test_reference_window_count_must_match(tiny_llama, windows):
     ref = reference_predictions(fwd, windows[:2], k=4, progress=False)
     with pytest.raises(ValueError, match="reference covers 2 windows"):
         evaluate(fwd, windows, ref, progress=False)
+
+
+def _table_forward(probs):
+    """A model whose next-token distribution at position t is ``probs[t]``, whatever the input."""
+    lp = torch.tensor(probs, dtype=torch.float32).log()
+
+    def fwd(ids):
+        return lp[: ids.shape[1]][None]
+
+    return fwd
+
+
+def test_loss_mask_counts_only_the_masked_positions():
+    import math
+
+    from lowbit.evaluation.metrics import summarize_reference
+
+    windows = torch.tensor([[0, 0, 1], [0, 1, 1]])  # targets: w0 (0, 1), w1 (1, 1)
+    ref = reference_predictions(_table_forward([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]), windows, k=2, progress=False)
+    quant = _table_forward([[0.5, 0.5], [0.25, 0.75], [0.5, 0.5]])
+    mask = torch.tensor([[False, True], [False, True]])  # the second predicted position of each window
+    ev = evaluate(quant, windows, ref, mask=mask, progress=False, workers=1)
+    # both counted targets are token 1 at p = 0.75; the reference gives them 0.5
+    assert ev.tokens == 2 and ev.ppl == pytest.approx(4 / 3, rel=1e-6)
+    assert ev.delta_pct == pytest.approx(100 * ((4 / 3) / 2 - 1), rel=1e-5)
+    kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # KL at position 1; position 0 is 0
+    assert ev.kl_mean == pytest.approx(kl, rel=1e-5)
+    assert ev.top1 == 0.0  # the reference's argmax there is token 0 (a tie, first index), the model's 1
+    assert summarize_reference(ref, mask=mask).ppl == pytest.approx(2.0, rel=1e-6)
+    full = evaluate(quant, windows, ref, progress=False, workers=1)  # unmasked: position 0 counts too
+    assert full.tokens == 4 and full.kl_mean == pytest.approx(kl / 2, rel=1e-5) and full.top1 == 0.5
+    assert full.ppl == pytest.approx(math.sqrt(2 * 4 / 3), rel=1e-6)  # p = 0.5, 0.75, 0.5, 0.75
+    ones = evaluate(quant, windows, ref, mask=torch.ones(2, 2, dtype=torch.bool), progress=False, workers=1)
+    assert ones.ppl == full.ppl and ones.kl_mean == full.kl_mean and ones.kl_ci == full.kl_ci
+
+
+def test_loss_mask_is_checked():
+    windows = torch.tensor([[0, 0, 1], [0, 1, 1]])
+    fwd = _table_forward([[0.5, 0.5]] * 3)
+    with pytest.raises(ValueError, match="selects no token"):
+        evaluate(fwd, windows, mask=torch.zeros(2, 2, dtype=torch.bool), progress=False, workers=1)
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        evaluate(fwd, windows, mask=torch.ones(2, 3, dtype=torch.bool), progress=False, workers=1)

@@ -101,14 +101,17 @@ def test_stream_cache_recomputes_a_corrupt_entry(tmp_path, caplog):
 
     def build():
         calls.append(1)
-        return torch.arange(1000)
+        return {"tokens": torch.arange(1000)}
 
-    assert torch.equal(_cached_stream(p, build, {}), torch.arange(1000))
+    def cached():
+        return _cached_stream(p, build, {}, {"tokens"})["tokens"]
+
+    assert torch.equal(cached(), torch.arange(1000))
     p.write_bytes(p.read_bytes()[:-10])  # truncated
     with caplog.at_level(logging.WARNING, logger="lowbit"):
-        assert torch.equal(_cached_stream(p, build, {}), torch.arange(1000))
+        assert torch.equal(cached(), torch.arange(1000))
     assert len(calls) == 2 and "corrupt cache entry" in caplog.text
-    assert torch.equal(_cached_stream(p, build, {}), torch.arange(1000)) and len(calls) == 2  # the new one is used
+    assert torch.equal(cached(), torch.arange(1000)) and len(calls) == 2  # the new one is used
 
 
 def test_reference_and_stats_refuse_damaged_files(tmp_path):

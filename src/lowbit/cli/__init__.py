@@ -46,6 +46,8 @@ def cmd_assets(args: argparse.Namespace) -> int:
     if args.action == "list":
         for name, a in {**assets.MODEL_ASSETS, **assets.CORPUS_ASSETS}.items():
             print(f"{name:<14} {type(a).__name__:<12} {getattr(a, 'note', '') or ''}")
+        for name, note in assets.BUILTIN_CORPORA.items():  # built from this machine: nothing to fetch
+            print(f"{name:<14} {'built in':<12} {note}")
         from ..data.tasks import TASKS_ASSET
 
         print(f"{'tasks':<14} {type(TASKS_ASSET).__name__:<12} {TASKS_ASSET.note}")
@@ -71,7 +73,8 @@ def _bench(args: argparse.Namespace, model: str, windows: int | None = None, cal
     from ..evaluation.compare import Workbench
 
     return Workbench.load(
-        model, corpus=args.corpus, windows=windows or args.windows or 64, seq_len=args.seq_len,
+        model, corpus=args.corpus, calib_corpus=args.calib_corpus, loss_on=args.loss_on,
+        windows=windows or args.windows or 64, seq_len=args.seq_len,
         calib_windows=args.calib_windows if calib_windows is None else calib_windows, seed=args.seed,
         cache=args.cache, kl_topk=args.kl_topk, workers=args.workers,
     )
@@ -173,10 +176,17 @@ def _positive_int(text: str) -> int:
 def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64, tasks: bool = False) -> None:
     from ..evaluation.metrics import DEFAULT_TOPK
 
-    p.add_argument("--corpus", default="wiki", help="wiki, brown, a .txt file or folder, or hf:<dataset> (default wiki)")
+    p.add_argument("--corpus", default="wiki", help="evaluation text: wiki, brown, code (Python's standard library), "
+                   "a .txt file or folder, a .jsonl of documents or of conversations, or hf:<dataset> (default wiki)")
+    p.add_argument("--calib-corpus", default=None, metavar="CORPUS",
+                   help="calibration text, the same sources as --corpus, or a mixture in equal parts such as "
+                        "wiki+brown+code; its train split is used (default: --corpus's train split)")
+    p.add_argument("--loss-on", choices=["all", "assistant"], default="all",
+                   help="tokens the metrics count: all, or (a --corpus of conversations) the assistant's only")
     p.add_argument("--windows", type=int, default=windows, help=f"evaluation windows (default {windows})")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--calib-windows", type=int, default=128, help="calibration windows from the train split (default 128)")
+    p.add_argument("--calib-windows", type=int, default=128,
+                   help="calibration windows from the calibration corpus's train split (default 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of calibration sampling and the bootstrap")
     p.add_argument("--kl-topk", type=int, default=DEFAULT_TOPK, help="reference tokens kept per position for KL")
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")

@@ -16,11 +16,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise ValueError("--low-memory does not evaluate (that needs the whole model in memory); pass --no-eval "
                              f"and run `lowbit eval {args.out} --reference {args.model}` afterwards")
         res = quantize_streaming(args.model, args.recipe, Path(args.out), force=args.force,
-                                 calib_windows=args.calib_windows, corpus=args.corpus, seed=args.seed, cache=args.cache)
+                                 calib_windows=args.calib_windows, corpus=args.calib_corpus or args.corpus, seed=args.seed,
+                                 cache=args.cache)
     else:
         res = quantize_to_folder(
             args.model, args.recipe, Path(args.out), force=args.force, calib_windows=args.calib_windows,
-            corpus=args.corpus, seed=args.seed, evaluate=args.eval, windows=args.windows, cache=args.cache,
+            corpus=args.corpus, calib_corpus=args.calib_corpus, loss_on=args.loss_on, seed=args.seed,
+            evaluate=args.eval, windows=args.windows, cache=args.cache,
         )
     s = res.sizes
     print(f"wrote {res.path} ({', '.join(sorted(set(res.formats))) or 'no quantized Linears'})")
@@ -49,7 +51,12 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write (refused if it exists)")
     p.add_argument("--force", action="store_true", help="replace an existing DIR")
     p.add_argument("--calib-windows", type=int, default=128, help="calibration windows for static scales (default 128)")
-    p.add_argument("--corpus", default="wiki", help="calibration / evaluation corpus (default wiki)")
+    p.add_argument("--corpus", default="wiki", help="evaluation corpus, and the calibration one unless --calib-corpus "
+                                                    "(default wiki; the sources of `lowbit compare --corpus`)")
+    p.add_argument("--calib-corpus", default=None, metavar="CORPUS",
+                   help="calibration corpus (train split), or a mixture such as wiki+brown+code (default --corpus)")
+    p.add_argument("--loss-on", choices=["all", "assistant"], default="all",
+                   help="tokens the evaluation counts: all, or (a --corpus of conversations) the assistant's only")
     p.add_argument("--seed", type=int, default=0, help="seed of calibration sampling and the bootstrap")
     p.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True,
                    help="evaluate the written checkpoint against the unquantized model (default on)")

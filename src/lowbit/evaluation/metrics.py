@@ -165,6 +165,7 @@ def evaluate(
     seed: int = 0,
     progress: bool = True,
     workers: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> Eval:
     """Evaluate ``forward`` on ``windows`` ``(n, seq)``, against ``reference`` if given.
 
@@ -178,10 +179,14 @@ def evaluate(
         progress: show a progress bar.
         workers: processes that share the windows (default
             :func:`lowbit.util.parallel.default_workers`; 1 runs here).
+        mask: ``(n, seq − 1)`` bool, the predicted positions that count (e.g. the assistant's
+            tokens, :func:`lowbit.data.windows.assistant_mask_for`); perplexity, KL, top-1 and
+            their intervals are then over those positions only. ``None``: all of them.
     """
     n = len(windows)
     if reference is not None and reference.nll.shape[0] != n:
         raise ValueError(f"reference covers {reference.nll.shape[0]} windows, evaluation has {n}")
+    _check_mask(mask, (n, windows.shape[1] - 1))
     t0 = time.perf_counter()
 
     def shard(idx, tick):
@@ -190,6 +195,8 @@ def evaluate(
             ids = windows[i : i + 1]
             logits, lse = _logits(forward, ids)
             m = window_metrics(logits, ids[0, 1:], reference, i, lse)
+            if mask is not None:
+                m = {k: v[mask[i]] for k, v in m.items()}
             kl = m.get("kl")
             rows.append((float(m["nll"].double().sum()), m["nll"].numel(),
                          float(kl.double().sum()) if kl is not None else 0.0,
@@ -203,26 +210,49 @@ def evaluate(
     kl_all = [r[4] for r in rows if r[4] is not None]
     seconds = time.perf_counter() - t0
     kl = torch.cat(kl_all) if kl_all else None
-    return _summarize(name, nll_w, count, seconds, bootstrap, seed, reference, kl_w, agree_w, kl)
+    return _summarize(name, nll_w, count, seconds, bootstrap, seed, reference, kl_w, agree_w, kl, mask)
 
 
-def summarize_reference(reference: Reference, *, name: str = "reference", bootstrap: int = 1000, seed: int = 0) -> Eval:
-    """The reference model's own perplexity (with its interval) from its stored NLLs."""
-    nll_w = reference.nll.double().sum(-1).numpy()
-    count = np.full(len(nll_w), reference.nll.shape[1], dtype=float)
-    return _summarize(name, nll_w, count, 0.0, bootstrap, seed)
+def _check_mask(mask: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    if mask is None:
+        return
+    if mask.dtype != torch.bool or tuple(mask.shape) != shape:
+        raise ValueError(f"mask must be bool of shape {shape} (windows × predicted positions), "
+                         f"got {mask.dtype} {tuple(mask.shape)}")
+    if not mask.any():
+        raise ValueError("the loss mask selects no token (no assistant token in the evaluation windows?)")
 
 
-def _summarize(name, nll_w, count, seconds, bootstrap, seed, reference=None, kl_w=None, agree_w=None, kl=None) -> Eval:
+def _masked_nll(reference: Reference, mask: torch.Tensor | None) -> np.ndarray:
+    """Per-window sums of the reference's NLL over the positions ``mask`` keeps."""
+    nll = reference.nll.double()
+    return (nll if mask is None else nll * mask).sum(-1).numpy()
+
+
+def summarize_reference(reference: Reference, *, name: str = "reference", bootstrap: int = 1000, seed: int = 0,
+                        mask: torch.Tensor | None = None) -> Eval:
+    """The reference model's own perplexity (with its interval) from its stored NLLs (over the
+    positions ``mask`` keeps, as :func:`evaluate`)."""
+    _check_mask(mask, tuple(reference.nll.shape))
+    nll_w = _masked_nll(reference, mask)
+    count = (np.full(len(nll_w), reference.nll.shape[1], dtype=float) if mask is None
+             else mask.sum(-1).double().numpy())
+    return _summarize(name, nll_w, count, 0.0, bootstrap, seed, mask=mask)
+
+
+def _summarize(name, nll_w, count, seconds, bootstrap, seed, reference=None, kl_w=None, agree_w=None, kl=None,
+               mask=None) -> Eval:
     n = len(nll_w)
     tokens = int(count.sum())
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, n, size=(bootstrap, n))
     cnt_b = count[idx].sum(1)
+    if mask is not None:  # with a loss mask a resample may hold no counted token: it says nothing
+        idx, cnt_b = idx[cnt_b > 0], cnt_b[cnt_b > 0]
     ppl = math.exp(nll_w.sum() / tokens)
     res = dict(name=name, ppl=ppl, ppl_ci=_ci(np.exp(nll_w[idx].sum(1) / cnt_b)), windows=n, tokens=tokens, seconds=seconds)
     if reference is not None:
-        ref_w = reference.nll.double().sum(-1).numpy()
+        ref_w = _masked_nll(reference, mask)
         ref_ppl = math.exp(ref_w.sum() / tokens)
         ratio_b = np.exp((nll_w[idx].sum(1) - ref_w[idx].sum(1)) / cnt_b)
         res.update(

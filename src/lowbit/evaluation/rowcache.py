@@ -4,10 +4,12 @@
 costs a quantization and a full evaluation pass, a cached one a file read.  A row is keyed by
 
     sha256(lowbit version, digest of lowbit's source, model fingerprint, recipe (its full value),
-           evaluation windows, calibration windows, seed, KL top-k)
+           evaluation windows, calibration windows, seed, KL top-k[, loss mask])
 
 — the windows' token ids are the data fingerprint (corpus, split, tokenizer and sequence
-length all show in them).  Rows are JSON files under ``<cache>/rows/``, written atomically.
+length all show in them; the calibration windows are those of ``--calib-corpus``'s train
+split, so another calibration corpus or mixture is another row).  With ``--loss-on
+assistant`` the mask of counted positions enters the key too.  Rows are JSON files under ``<cache>/rows/``, written atomically.
 Worker count and progress do not enter the key: results equal up to float rounding.
 Any change to lowbit's code gives new keys, so a row computed by other code is never read back.
 """
@@ -18,6 +20,8 @@ import json
 import logging
 import time
 from pathlib import Path
+
+import torch
 
 from .._version import __version__, source_digest
 from ..quantization.recipe import Recipe
@@ -34,8 +38,9 @@ _TUPLES = ("ppl_ci", "delta_ci", "kl_ci", "top1_ci")
 
 def row_path(bench: Workbench, recipe: Recipe) -> Path:
     """Where the row of ``recipe`` on ``bench`` is (or would be) cached."""
+    mask = () if bench.loss_mask is None else (bench.loss_mask.to(torch.uint8),)
     key = _digest(__version__, source_digest(), model_fingerprint(bench.info), repr(recipe), bench.windows, bench.calib_windows,
-                  bench.seed, bench.kl_topk)
+                  bench.seed, bench.kl_topk, *mask)
     return bench.cache / "rows" / f"{bench.info.name}-{recipe.name}-{key}.json".replace("/", "_")
 
 

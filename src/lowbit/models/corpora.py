@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 __all__ = [
-    "Document", "read_jsonl", "jsonl_text", "local_documents",
+    "Document", "read_jsonl", "conversation", "CHAT_ROLES", "jsonl_text", "local_documents",
     "read_wiki_archive", "wiki_documents", "clean_wikitext",
     "read_brown_archive", "brown_document", "detokenize",
     "hf_documents", "wikitext_articles",
@@ -31,24 +31,58 @@ MIN_WIKI_CHARS = 500  # shorter clean texts are stubs and lists, not prose
 
 @dataclass(frozen=True)
 class Document:
-    """One document of a corpus: a stable ``id`` (sort key), a ``title`` and plain ``text``."""
+    """One document of a corpus: a stable ``id`` (sort key), a ``title`` and plain ``text``; or
+    a conversation: ``messages`` ``((role, content), ...)`` (and ``text`` empty), rendered with a
+    model's chat template when tokenized (:mod:`lowbit.data.chat`)."""
 
     id: str
     title: str
     text: str
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 def read_jsonl(path: Path) -> list[Document]:
-    """Documents of a ``.jsonl`` file, one ``{"id", "title", "text"}`` object per line, in file order."""
+    """Documents of a ``.jsonl`` file, one ``{"id", "title", "text"}`` object per line, in file
+    order; or conversations, one ``{"messages": [{"role", "content"}, ...]}`` per line (see
+    :func:`conversation`)."""
     try:
         with open(path, encoding="utf-8") as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a JSON-lines file of documents ({exc})") from None
+    if rows and isinstance(rows[0], dict) and "messages" in rows[0]:
+        return [conversation(r, f"{path} line {i + 1}", i) for i, r in enumerate(rows)]
     try:
         return [Document(str(r["id"]), str(r["title"]), r["text"]) for r in rows]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path}: every line needs id, title and text ({exc!r})") from exc
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def conversation(row, where: str, index: int) -> Document:
+    """One conversation line ``{"messages": [{"role": ..., "content": ...}, ...], "id"?: ...}``:
+    roles system / user / assistant, string contents, at least one assistant message. The id is
+    the row's ``id`` or its position (zero-padded, so that ids sort in file order).
+
+    Raises:
+        ValueError: anything else, naming ``where``.
+    """
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"{where}: expected {{\"messages\": [{{\"role\", \"content\"}}, ...]}} with at least "
+                         "one message (every line of a conversation file)")
+    turns = []
+    for j, m in enumerate(msgs):
+        if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: message {j} needs a role ({', '.join(CHAT_ROLES)}) and a string content, "
+                             f"got {m!r:.120}")
+        turns.append((m["role"], m["content"]))
+    if not any(r == "assistant" for r, _ in turns):
+        raise ValueError(f"{where}: no assistant message")
+    cid = str(row["id"]) if "id" in row else f"{index:08d}"
+    return Document(cid, cid, "", tuple(turns))
 
 
 def jsonl_text(docs: Iterable[Document]) -> str:

@@ -260,7 +260,8 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         notes += (bench.info.reference_note,)
     d = bench.describe()
     setup = {"corpus": d.corpus, "split": d.split, "windows": d.windows, "seq_len": d.seq_len, "tokens": d.tokens,
-             "seed": d.seed, "calibration_windows": d.calibration_windows, "kl_topk": d.kl_topk}
+             "seed": d.seed, "calibration_windows": d.calibration_windows, "kl_topk": d.kl_topk,
+             "calib_corpus": d.calib_corpus, "loss_on": d.loss_on}
     secs.update({f"bench: {k}": v for k, v in bench.stage_seconds.items()})
     return PlanResult(model, served_note, target, load, budget, setup, options, rec, cmds, tuple(curve_list), notes,
                       secs, task_setup)

@@ -100,11 +100,23 @@ def _pm(v: float | None, ci: tuple[float, float] | None, fmt: str) -> str:
     return f"{format(v, fmt)} ± {format(half, fmt)}"
 
 
+def _data_note(c) -> str:
+    """What differs from the default data: another calibration corpus, assistant-only loss."""
+    note = ""
+    calib = getattr(c, "calib_corpus", "") or c.corpus
+    if calib != c.corpus:
+        note += f"; calibrated on {calib} (train split)"
+    if getattr(c, "loss_on", "all") == "assistant":
+        note += "; metrics over the assistant's tokens only"
+    return note
+
+
 def comparison_table(c) -> Table:
     """The rows of a :class:`lowbit.evaluation.compare.Comparison`."""
     t = Table(
         title=f"{c.model} on {c.corpus} ({c.split} split): {c.windows} windows × {c.seq_len} tokens, "
-        f"{c.tokens:,} predicted tokens, seed {c.seed}; ± is a 95% bootstrap half-width",
+        f"{c.tokens:,} predicted tokens, seed {c.seed}; ± is a 95% bootstrap half-width"
+        + _data_note(c),
         title_justify="left",
     )
     for col in ("configuration", "PPL", "Δ%", "KL mean", "KL p99", "top-1 agree", "W bits", "KV bits"):

@@ -55,6 +55,8 @@ def quantize_to_folder(
     force: bool = False,
     calib_windows: int = 128,
     corpus: str = "wiki",
+    calib_corpus: str | None = None,
+    loss_on: str = "all",
     seed: int = 0,
     evaluate: bool = True,
     windows: int = 64,
@@ -65,7 +67,8 @@ def quantize_to_folder(
 ) -> ExportResult:
     """Load ``model``, quantize it with ``recipe`` (calibrating when the recipe needs data),
     write the compressed-tensors folder ``out`` and, if ``evaluate``, evaluate the written
-    checkpoint against the unquantized model.
+    checkpoint against the unquantized model (on ``corpus``; calibration data comes from
+    ``calib_corpus``, default ``corpus``; ``loss_on``: see :meth:`Workbench.load`).
 
     The evaluation reads every weight back from the written files through compressed-tensors'
     decompressors; activation and KV quantization run in lowbit's runtime with the scales
@@ -73,7 +76,8 @@ def quantize_to_folder(
     """
     out = Path(out)
     r = _checked_recipe(recipe, out, force)
-    bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
+    bench = Workbench.load(model, corpus=corpus, calib_corpus=calib_corpus, loss_on=loss_on if evaluate else "all",
+                           windows=windows if evaluate else 1, seq_len=seq_len,
                            calib_windows=calib_windows if needs_data(r) else 0, seed=seed, cache=cache,
                            progress=progress)
     _refuse_dead_rules(bench.model, r)
@@ -87,9 +91,11 @@ def quantize_to_folder(
     def _evaluate(folder: Path) -> dict:
         written = read_into(copy.deepcopy(bench.model), folder)
         with quantized_execution(written, state) as fwd:
-            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
+            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress,
+                          mask=bench.loss_mask)
         ref = bench.reference_row().eval
-        return {"corpus": corpus, "reference": ref.to_dict(), "checkpoint": ev.to_dict()}
+        return {"corpus": corpus, "calib_corpus": bench.calib_corpus, "loss_on": loss_on, "reference": ref.to_dict(),
+                "checkpoint": ev.to_dict()}
 
     return export(bench.model, state, out, tokenizer=bench.tokenizer, source=bench.info.path, dtype=dtype,
                   force=force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
@@ -125,8 +131,7 @@ def quantize_streaming(
     calib = None
     if needs_data(r):
         bos = tok.bos_token_id if info.needs_bos else None
-        calib = data.calibration_windows(data.stream_for(tok, corpus, "train", cache=cache), calib_windows, seq_len,
-                                         seed, bos)
+        calib = data.calibration_for(tok, corpus, calib_windows, seq_len, seed, bos, cache=cache)
     with LayerStore(m, info.path) as store, LayerwiseExport(out, m, r, dtype=dtype, force=force) as ex:
         state = quantize(m, r, calib, keep_qtensors=True, progress=progress, store=store, on_layer=ex.layer_done)
         return ex.finish(state, store=store, tokenizer=tok, source=info.path, model_name=info.name)
