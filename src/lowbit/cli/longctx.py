@@ -23,6 +23,9 @@ def cmd_long_context(args: argparse.Namespace) -> int:
     recipes = [load_recipe(r.strip()) for r in args.recipes.split(",") if r.strip()]  # bad names fail first
     if not recipes:
         raise ValueError("--recipes: empty list")
+    if getattr(args, "loss_on", "all") != "all":
+        raise ValueError("--loss-on assistant is not supported by long-context: it scores every position of long "
+                         "windows of prose")
     bench = _bench(args, args.model, windows=1)
     res = long_context(bench, recipes, length=args.length, windows=args.long_windows, topk=args.topk)
     print_tables(long_context_table(res))
