@@ -344,6 +344,31 @@ RECIPES: dict[str, Recipe] = {
     )
 }
 
+#: GGUF files (``lowbit quantize --format gguf``): the token embedding — for a tied model also the
+#: output matrix, which llama-quantize keeps at Q6_K — is a rule target like the Linears
+_GGUF_EMB = {"targets": ["model.embed_tokens"], "weights": "gguf-q6_k"}
+
+
+def _gguf(name: str, description: str, base: str, more: list[dict] | None = None, algorithms=None) -> Recipe:
+    d = {"name": name, "description": description, "ignore": list(DEFAULT_IGNORE),
+         "rules": [{"targets": ["*"], "weights": base}, *(more or []), _GGUF_EMB]}
+    if algorithms:
+        d["algorithms"] = algorithms
+    return recipe_from_dict(d, f"preset {name}")
+
+
+_V_DOWN_Q6K = [{"targets": ["*.self_attn.v_proj", "*.mlp.down_proj"], "weights": "gguf-q6_k"}]
+RECIPES.update({r.name: r for r in (
+    _gguf("gguf-q8_0", "GGUF Q8_0 (round to nearest)", "gguf-q8_0"),
+    _gguf("gguf-q4_0", "GGUF Q4_0 (round to nearest)", "gguf-q4_0"),
+    _gguf("gguf-q4_k", "GGUF Q4_K (round to nearest, two-level min-max)", "gguf-q4_k"),
+    _gguf("gguf-q4_k-mse", "GGUF Q4_K, activation-weighted MSE search (imatrix-style)", "gguf-q4_k",
+          algorithms={"observer": "mse", "mse_importance": True}),
+    _gguf("gguf-q4_k-gptq", "GGUF Q4_K, GPTQ on the two-level grid with weighted-MSE scales", "gguf-q4_k",
+          algorithms=_GPTQ_MSE),
+    _gguf("gguf-q4_k_m", "GGUF Q4_K_M-style mix: Q4_K, V and down projections Q6_K", "gguf-q4_k", _V_DOWN_Q6K),
+)})
+
 #: the deployment notebook's experiment, the default of ``lowbit compare``
 COMPARE_DEFAULT: tuple[str, ...] = (
     "fp8-tensor", "fp8-dynamic", "fp8-block", "w4a16-int4-g128", "w4a16-mxfp4", "w4a16-nvfp4", "kv-fp8",
