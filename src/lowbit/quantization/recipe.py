@@ -358,14 +358,15 @@ def _gguf(name: str, description: str, base: str, more: list[dict] | None = None
 
 
 _V_DOWN_Q6K = [{"targets": ["*.self_attn.v_proj", "*.mlp.down_proj"], "weights": "gguf-q6_k"}]
+_MSE = {"observer": "mse", "mse_importance": True}
 RECIPES.update({r.name: r for r in (
     _gguf("gguf-q8_0", "GGUF Q8_0 (round to nearest)", "gguf-q8_0"),
-    _gguf("gguf-q4_0", "GGUF Q4_0 (round to nearest)", "gguf-q4_0"),
-    _gguf("gguf-q4_k", "GGUF Q4_K (round to nearest, two-level min-max)", "gguf-q4_k"),
-    _gguf("gguf-q4_k-mse", "GGUF Q4_K, activation-weighted MSE search (imatrix-style)", "gguf-q4_k",
-          algorithms={"observer": "mse", "mse_importance": True}),
-    _gguf("gguf-q4_k-gptq", "GGUF Q4_K, GPTQ on the two-level grid with weighted-MSE scales", "gguf-q4_k",
-          algorithms=_GPTQ_MSE),
+    *(r for t in ("q4_0", "q4_k") for r in (
+        _gguf(f"gguf-{t}", f"GGUF {t.upper()} (round to nearest, min-max)", f"gguf-{t}"),
+        _gguf(f"gguf-{t}-mse", f"GGUF {t.upper()}, activation-weighted MSE search (imatrix-style)", f"gguf-{t}",
+              algorithms=_MSE),
+        _gguf(f"gguf-{t}-gptq", f"GGUF {t.upper()}, GPTQ on the type's exact grid, weighted-MSE scales", f"gguf-{t}",
+              algorithms=_GPTQ_MSE))),
     _gguf("gguf-q4_k_m", "GGUF Q4_K_M-style mix: Q4_K, V and down projections Q6_K", "gguf-q4_k", _V_DOWN_Q6K),
 )})
 

@@ -30,7 +30,8 @@ from ..quantization.pipeline import linear_names, needs_data, quantize
 from ..quantization.recipe import Recipe, Rule, load_recipe
 from ..quantization.runtime import plain_forward
 
-__all__ = ["quantize_to_gguf", "GGUFResult", "gguf_recipe", "EMBEDDING"]
+__all__ = ["quantize_to_gguf", "quantize_for_gguf", "GGUFResult", "gguf_recipe", "check_gguf_recipe",
+           "load_checked", "EMBEDDING"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,20 @@ def _quantize_embedding(model, scheme: Scheme) -> QTensor:
     return qt
 
 
+def quantize_for_gguf(model, recipe: str | Recipe, calibration: torch.Tensor | None = None, *, stats=None,
+                      progress: bool = False) -> tuple[dict[str, QTensor], Recipe]:
+    """Quantize ``model`` in place with a GGUF recipe (:func:`gguf_recipe`): the embedding by
+    round-to-nearest, the Linears by the recipe's method (:func:`lowbit.quantization.pipeline.quantize`).
+    Returns the QTensor of every quantized weight, by module name, and the recipe as run."""
+    r, emb_scheme = gguf_recipe(recipe, model)
+    qts: dict[str, QTensor] = {}
+    if emb_scheme is not None:
+        qts[EMBEDDING] = _quantize_embedding(model, emb_scheme)
+    state = quantize(model, r, calibration, stats=stats, keep_qtensors=True, progress=progress)
+    qts.update(state.weights)
+    return qts, r
+
+
 def quantize_to_gguf(model: str, recipe: str, out: Path, *, force: bool = False, calib_windows: int = 128,
                      corpus: str = "wiki", seed: int = 0, evaluate: bool = True, windows: int = 64,
                      seq_len: int = 512, cache: Path | None = None, progress: bool = True) -> GGUFResult:
@@ -120,19 +135,14 @@ def quantize_to_gguf(model: str, recipe: str, out: Path, *, force: bool = False,
     bench = Workbench.load(model, corpus=corpus, windows=windows if evaluate else 1, seq_len=seq_len,
                            calib_windows=calib_windows if needs_data(r0) else 0, seed=seed, cache=cache,
                            progress=progress)
-    r, emb_scheme = gguf_recipe(r0, bench.model)
+    gguf_recipe(r0, bench.model)  # refuses dead rules before the reference is computed
     if evaluate:
         bench.reference  # from the unquantized model, before it is quantized in place
-    qts: dict[str, QTensor] = {}
-    if emb_scheme is not None:
-        qts[EMBEDDING] = _quantize_embedding(bench.model, emb_scheme)
-    state = quantize(bench.model, r, bench.calibration, stats=lambda: bench.stats, keep_qtensors=True,
-                     progress=progress)
-    qts.update(state.weights)
+    qts, r = quantize_for_gguf(bench.model, r0, bench.calibration, stats=lambda: bench.stats, progress=progress)
     write_gguf(bench.model, qts, out, tokenizer_dir=bench.info.path, name=bench.info.name,
                add_bos=bench.info.needs_bos, force=force)
     written = copy.deepcopy(bench.model)
-    _load_checked(written, out)
+    load_checked(written, out)
     ev = None
     if evaluate:
         e = run_eval(plain_forward(written), bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
@@ -142,7 +152,7 @@ def quantize_to_gguf(model: str, recipe: str, out: Path, *, force: bool = False,
 
 
 @torch.no_grad()
-def _load_checked(model, path: Path) -> None:
+def load_checked(model, path: Path) -> None:
     """Load the file's weights into ``model``; every tensor must equal the model's own bit for bit."""
     got = read_gguf_weights(path, model.config)
     sd = model.state_dict()
