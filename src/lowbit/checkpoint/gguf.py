@@ -28,7 +28,7 @@ from ..numerics.ggml_pack import pack
 from ..numerics.qtensor import QTensor
 from ..util.io import refuse_existing
 
-__all__ = ["write_gguf", "read_gguf_weights", "gguf_tensor_name", "rope_row_order", "GGUF_ARCHS"]
+__all__ = ["write_gguf", "read_gguf_weights", "tensor_types", "hf_module_names", "gguf_tensor_name", "rope_row_order", "GGUF_ARCHS"]
 
 #: model_type → llama.cpp architecture, for the architectures written so far
 GGUF_ARCHS = {"llama": "llama"}
@@ -187,11 +187,28 @@ def write_gguf(model: nn.Module, qtensors: dict[str, QTensor], out: Path, *, tok
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def hf_module_names(config) -> dict[str, str]:
+    """GGUF module name → Hugging Face module name (``blk.3.ffn_up`` → ``model.layers.3.mlp.up_proj``)."""
+    names = {f"blk.{i}.{g}": f"model.layers.{i}.{hf}" for i in range(config.num_hidden_layers) for hf, g in _LAYER.items()}
+    names.update({g: hf for hf, g in _TOP.items()})
+    return names
+
+
+def tensor_types(path: Path, config) -> dict[str, str]:
+    """Hugging Face module name → ggml type name (``q4_k``, ``f32``, ...) of each weight in a GGUF file."""
+    import gguf
+
+    names = hf_module_names(config)
+    return {names[t.name.rpartition(".")[0]]: t.tensor_type.name.lower()
+            for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith(".weight")}
 
 
 def read_gguf_weights(path: Path, config) -> dict[str, torch.Tensor]:
@@ -201,11 +218,7 @@ def read_gguf_weights(path: Path, config) -> dict[str, torch.Tensor]:
     import gguf
 
     hp = _hparams(config)
-    names = {}
-    for i in range(hp["block_count"]):
-        for hf, g in _LAYER.items():
-            names[f"blk.{i}.{g}"] = f"model.layers.{i}.{hf}"
-    names.update({g: hf for hf, g in _TOP.items()})
+    names = hf_module_names(config)
     heads = {"attn_q": hp["head_count"], "attn_k": hp["head_count_kv"]}
     out = {}
     for t in gguf.GGUFReader(str(path)).tensors:

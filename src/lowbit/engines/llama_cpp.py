@@ -4,7 +4,8 @@ llama.cpp's ``llama-perplexity`` (built by ``make llama-cpp``) reads a text file
 cuts it into chunks of ``ctx`` tokens and scores the second half of each chunk.  lowbit writes
 that text (the evaluation corpus' test tokens, decoded), an F32 GGUF of the unquantized model
 (the ``--kl-divergence-base``, so KLD and same-top-p are against the reference run in llama.cpp
-itself), and then computes its own prediction on the same chunks and positions: the reference
+itself), and then computes its own prediction on the same tokens (read back from that base
+file, so tokenizer differences cannot creep in) and positions: the reference
 model and the weights the GGUF file decodes to (:func:`lowbit.checkpoint.gguf.read_gguf_weights`),
 fp32 in transformers, full-vocabulary KL.  The noise floor is the F32 file against lowbit's
 reference (``|PPL(llama.cpp F32) − PPL(lowbit fp32)|``); the target is that each file's
@@ -68,13 +69,26 @@ def parse_perplexity(log: str) -> dict[str, float]:
             out[key], out[f"{key}_err"] = float(m.group(1)), float(m.group(2))
     if "ppl_q" in out:
         out["ppl"], out["ppl_err"] = out.pop("ppl_q"), out.pop("ppl_q_err")
-    m = re.search(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)", log)
+    m = re.search(r"(?:calculating perplexity|computing) over (\d+) chunks, n_ctx=(\d+)", log)
     if m:
         out["chunks"], out["n_ctx"] = float(m.group(1)), float(m.group(2))
     if "ppl" not in out:
         tail = "\n".join(log.strip().splitlines()[-15:])
         raise RuntimeError(f"llama-perplexity printed no perplexity; the end of its log:\n{tail}")
     return out
+
+
+def base_tokens(path: Path, ctx: int) -> torch.Tensor:
+    """The tokens llama-perplexity scored, from the header of its ``--kl-divergence-base`` file
+    (``n_vocab``, ``n_chunk`` as int32, then ``n_chunk · ctx`` int32 tokens): ``(n_chunk, ctx)``."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        _, n_chunk = (int(x) for x in np.frombuffer(f.read(8), dtype=np.int32))
+        toks = np.frombuffer(f.read(4 * n_chunk * ctx), dtype=np.int32)
+    if toks.size != n_chunk * ctx:
+        raise ValueError(f"{path}: truncated llama-perplexity logits file")
+    return torch.from_numpy(toks.astype(np.int64)).reshape(n_chunk, ctx)
 
 
 @dataclass(frozen=True)
@@ -209,14 +223,15 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     base = work / f"base-{digest}-c{ctx}-n{chunks}.kld"
     ref_run = _run_perplexity(f32, text_path, ctx, chunks, base, write_base=True, threads=threads,
                               log_path=work / "reference-f32.log")
-    windows = ids.reshape(chunks, ctx)
+    windows = base_tokens(base, ctx)  # exactly the tokens llama.cpp scored
+    if windows.shape[0] != chunks:
+        raise RuntimeError(f"llama.cpp tokenized the text into {windows.shape[0]} chunks of {ctx}, not {chunks}")
+    same_tokens = float((windows.reshape(-1) == ids).double().mean())
     ref_pred = _predict(model, None, windows)
-    if int(ref_run.figures.get("chunks", chunks)) != chunks:
-        raise RuntimeError(f"llama.cpp tokenized the text into fewer than {chunks} chunks of {ctx}")
     noise = abs(ref_run.figures["ppl"] - ref_pred.ppl)
     res = GGUFVerification(info.name, corpus, ctx, chunks, ref_pred.tokens,
                            {"engine_ppl": ref_run.figures["ppl"], "lowbit_ppl": ref_pred.ppl, "delta_ppl": noise,
-                            "engine_seconds": ref_run.seconds})
+                            "engine_seconds": ref_run.seconds, "tokens_as_transformers": same_tokens})
     for f in files:
         run = _run_perplexity(f, text_path, ctx, chunks, base, write_base=False, threads=threads,
                               log_path=work / f"{f.stem}.log")
