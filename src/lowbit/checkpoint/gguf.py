@@ -63,6 +63,14 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
 
 
+#: _hparams key → the GGUFWriter method writing it under ``<arch>.``
+_HPARAM_KEYS = {"vocab_size": "add_vocab_size", "context_length": "add_context_length",
+                "embedding_length": "add_embedding_length", "block_count": "add_block_count",
+                "feed_forward_length": "add_feed_forward_length", "head_count": "add_head_count",
+                "head_count_kv": "add_head_count_kv", "rope_freq_base": "add_rope_freq_base",
+                "rms_eps": "add_layer_norm_rms_eps"}
+
+
 def _hparams(config) -> dict[str, object]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
@@ -153,18 +161,10 @@ def write_gguf(model: nn.Module, qtensors: dict[str, QTensor], out: Path, *, tok
     try:
         w = gguf.GGUFWriter(tmp, arch)
         w.add_name(name)
-        w.add_vocab_size(hp["vocab_size"])
-        w.add_context_length(hp["context_length"])
-        w.add_embedding_length(hp["embedding_length"])
-        w.add_block_count(hp["block_count"])
-        w.add_feed_forward_length(hp["feed_forward_length"])
-        w.add_head_count(hp["head_count"])
-        w.add_head_count_kv(hp["head_count_kv"])
-        w.add_rope_freq_base(hp["rope_freq_base"])
-        w.add_layer_norm_rms_eps(hp["rms_eps"])
-        w.add_rope_dimension_count(hp["head_dim"])
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
+        for key, adder in _HPARAM_KEYS.items():  # llama.{context_length, ...}
+            getattr(w, adder)(hp[key])
+        for adder in ("add_rope_dimension_count", "add_key_length", "add_value_length"):
+            getattr(w, adder)(hp["head_dim"])
         _write_tokenizer(w, tokenizer_dir, config, add_bos)
         for pname, p in model.state_dict().items():
             module = pname.rpartition(".")[0]

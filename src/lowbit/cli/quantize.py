@@ -8,6 +8,13 @@ from pathlib import Path
 __all__ = ["register", "cmd_quantize", "cmd_serve_command"]
 
 
+def _print_eval(ev: dict | None) -> None:
+    if ev:
+        ref, q = ev["reference"], ev["checkpoint"]
+        print(f"evaluation ({q['windows']} windows): ppl {ref['ppl']:.4f} -> {q['ppl']:.4f} "
+              f"({q['delta_pct']:+.2f}%), KL {q['kl_mean']:.5f}, top-1 {q['top1']:.4f}")
+
+
 def _cmd_quantize_gguf(args: argparse.Namespace) -> int:
     from ..workflows.gguf import quantize_to_gguf
 
@@ -21,10 +28,7 @@ def _cmd_quantize_gguf(args: argparse.Namespace) -> int:
         counts[t] = counts.get(t, 0) + 1
     print(f"wrote {res.path} ({', '.join(f'{n}× {t}' for t, n in sorted(counts.items()))}; "
           f"{res.file_bytes / 2**20:.2f} MiB); read back: every weight decodes to lowbit's values")
-    if res.eval:
-        ref, q = res.eval["reference"], res.eval["checkpoint"]
-        print(f"evaluation ({q['windows']} windows): ppl {ref['ppl']:.4f} -> {q['ppl']:.4f} "
-              f"({q['delta_pct']:+.2f}%), KL {q['kl_mean']:.5f}, top-1 {q['top1']:.4f}")
+    _print_eval(res.eval)
     print(f"check it in llama.cpp: lowbit verify {res.path} --engine llama.cpp")
     return 0
 
@@ -49,10 +53,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(f"wrote {res.path} ({', '.join(sorted(set(res.formats))) or 'no quantized Linears'})")
     print(f"size on disk: {s.file_bytes / 2**20:.2f} MiB; quantized Linears {s.quantized_bytes / 2**20:.2f} MiB, "
           f"bits_per_element predicted {s.predicted_bytes / 2**20:.2f} MiB (ratio {s.ratio:.3f})")
-    if res.eval:
-        ref, q = res.eval["reference"], res.eval["checkpoint"]
-        print(f"evaluation ({q['windows']} windows): ppl {ref['ppl']:.4f} -> {q['ppl']:.4f} "
-              f"({q['delta_pct']:+.2f}%), KL {q['kl_mean']:.5f}, top-1 {q['top1']:.4f}")
+    _print_eval(res.eval)
     print(f"serve it: lowbit serve-command {res.path}")
     return 0
 
