@@ -76,7 +76,7 @@ def main() -> int:
                                          args.work / f"{out.stem}.log")
             files.append(out)
     types = {str(f): tensor_types(f, bench.model.config) for f in files}
-    res = verify_gguf(files, reference=args.model, ctx=args.ctx, chunks=args.chunks,
+    res = verify_gguf(files, reference=args.model, ctx=args.ctx, chunks=args.chunks, predict=False,
                       on_result=lambda c: print(f"{Path(c.file).name}: KLD {c.engine.get('kld')} "
                                                 f"PPL {c.engine['ppl']:.4f} {c.file_bytes / 2**20:.2f} MiB", flush=True))
     llama = [f for f in files if Path(f).name.startswith("llama-")]

@@ -192,9 +192,11 @@ def gguf_source_name(path: Path) -> str:
 
 def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str = "wiki", ctx: int = 512,
                 chunks: int = 16, threads: int | None = None, cache: Path | None = None,
-                target_factor: float = 2.0, on_result=None) -> GGUFVerification:
+                target_factor: float = 2.0, predict: bool = True, on_result=None) -> GGUFVerification:
     """Run ``llama-perplexity`` on each GGUF file and on an F32 GGUF of the reference, and lowbit's
-    prediction of the same files on the same chunks (see the module docstring)."""
+    prediction of the same files on the same chunks (see the module docstring).  ``predict=False``
+    runs llama.cpp only (e.g. on files another tool wrote); the F32 base run is reused when its
+    logits file and log exist."""
     files = [Path(f) for f in files]
     for f in files:
         if not f.is_file() or f.suffix != ".gguf":
@@ -221,8 +223,12 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     if not f32.exists():
         write_gguf(model, {}, f32, tokenizer_dir=info.path, name=info.name, add_bos=False)
     base = work / f"base-{digest}-c{ctx}-n{chunks}.kld"
-    ref_run = _run_perplexity(f32, text_path, ctx, chunks, base, write_base=True, threads=threads,
-                              log_path=work / "reference-f32.log")
+    ref_log = work / f"reference-f32-{digest}-c{ctx}-n{chunks}.log"
+    if base.exists() and ref_log.exists():
+        ref_run = LlamaCppRun(parse_perplexity(ref_log.read_text()), 0.0, ref_log.read_text())
+    else:
+        ref_run = _run_perplexity(f32, text_path, ctx, chunks, base, write_base=True, threads=threads,
+                                  log_path=ref_log)
     windows = base_tokens(base, ctx)  # exactly the tokens llama.cpp scored
     if windows.shape[0] != chunks:
         raise RuntimeError(f"llama.cpp tokenized the text into {windows.shape[0]} chunks of {ctx}, not {chunks}")
@@ -235,12 +241,15 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     for f in files:
         run = _run_perplexity(f, text_path, ctx, chunks, base, write_base=False, threads=threads,
                               log_path=work / f"{f.stem}.log")
-        q = copy.deepcopy(model)
-        sd = q.state_dict()
-        for k, v in read_gguf_weights(f, model.config).items():
-            sd[k].copy_(v)
-        pred = _predict(q, model, windows)
-        check = GGUFCheck(str(f), run.figures, asdict(pred), run.figures["ppl"] - pred.ppl, target_factor * noise,
+        if predict:
+            q = copy.deepcopy(model)
+            sd = q.state_dict()
+            for k, v in read_gguf_weights(f, model.config).items():
+                sd[k].copy_(v)
+            pred = asdict(_predict(q, model, windows))
+        else:
+            pred = asdict(Prediction(float("nan")))
+        check = GGUFCheck(str(f), run.figures, pred, run.figures["ppl"] - pred["ppl"], target_factor * noise,
                           run.seconds, f.stat().st_size)
         res.checks.append(check)
         if on_result:

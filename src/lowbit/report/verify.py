@@ -63,12 +63,16 @@ def refused_lines(v) -> list[str]:
     return [f"not verified: {why}" for _, why in v.refused]
 
 
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.2f}%"
+
+
 def gguf_check_line(c) -> str:
     """One GGUF file verified in llama.cpp (:class:`lowbit.engines.llama_cpp.GGUFCheck`), one line."""
     e, p = c.engine, c.lowbit
     return (f"{Path(c.file).name}: llama.cpp PPL {e['ppl']:.4f}, lowbit {p['ppl']:.4f} (Δ {c.delta_ppl:+.4f}, target "
             f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KLD llama.cpp {num(e.get('kld'), 4)} / lowbit "
-            f"{num(p['kl'], 4)}; same top-1 {num(e.get('same_top_p'), 2)}% / {100 * p['same_top']:.2f}%")
+            f"{num(p['kl'], 4)}; same top-1 {num(e.get('same_top_p'), 2)}% / {_share(p['same_top'])}")
 
 
 def gguf_table(v) -> Table:
@@ -88,5 +92,5 @@ def gguf_table(v) -> Table:
         t.add_row(Path(c.file).name, f"{c.file_bytes / 2**20:.2f}", num(e["ppl"], 6), num(p["ppl"], 6),
                   num(c.delta_ppl, 3), "yes" if c.ppl_ok else f"no (> {num(c.ppl_target, 2)})",
                   num(e.get("kld"), 4), num(p["kl"], 4),
-                  f"{num(e.get('same_top_p'), 4)}%", f"{100 * p['same_top']:.2f}%", f"{c.engine_seconds:.0f}")
+                  f"{num(e.get('same_top_p'), 4)}%", _share(p['same_top']), f"{c.engine_seconds:.0f}")
     return t
