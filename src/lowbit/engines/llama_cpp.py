@@ -190,20 +190,10 @@ def gguf_source_name(path: Path) -> str:
     return bytes(f.parts[-1]).decode()
 
 
-def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str = "wiki", ctx: int = 512,
-                chunks: int = 16, threads: int | None = None, cache: Path | None = None,
-                target_factor: float = 2.0, predict: bool = True, on_result=None) -> GGUFVerification:
-    """Run ``llama-perplexity`` on each GGUF file and on an F32 GGUF of the reference, and lowbit's
-    prediction of the same files on the same chunks (see the module docstring).  ``predict=False``
-    runs llama.cpp only (e.g. on files another tool wrote); the F32 base run is reused when its
-    logits file and log exist."""
-    files = [Path(f) for f in files]
-    for f in files:
-        if not f.is_file() or f.suffix != ".gguf":
-            raise FileNotFoundError(f"{f} is not a .gguf file")
-    find_llama_cpp()  # before any work
-    name = reference or gguf_source_name(files[0])
-    threads = threads or max(1, min(4, os.cpu_count() or 1))
+def prepare(name: str, corpus: str, ctx: int, chunks: int, cache: Path | None = None):
+    """The reference model and what llama-perplexity reads, written once under the cache: the
+    F32 GGUF of the model and the corpus' test text (decoded test tokens, twice what is scored).
+    Returns ``(model, info, work folder, text path, transformers' tokens of the text, text digest, F32 path)``."""
     model, tok, info = load_model(name, cache=cache)
     if info.needs_bos:
         raise NotImplementedError(f"{name}: models evaluated with BOS (llama-perplexity replaces each chunk's first "
@@ -222,6 +212,24 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     f32 = work / "reference-f32.gguf"
     if not f32.exists():
         write_gguf(model, {}, f32, tokenizer_dir=info.path, name=info.name, add_bos=False)
+    return model, info, work, text_path, ids, digest, f32
+
+
+def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str = "wiki", ctx: int = 512,
+                chunks: int = 16, threads: int | None = None, cache: Path | None = None,
+                target_factor: float = 2.0, predict: bool = True, on_result=None) -> GGUFVerification:
+    """Run ``llama-perplexity`` on each GGUF file and on an F32 GGUF of the reference, and lowbit's
+    prediction of the same files on the same chunks (see the module docstring).  ``predict=False``
+    runs llama.cpp only (e.g. on files another tool wrote); the F32 base run is reused when its
+    logits file and log exist."""
+    files = [Path(f) for f in files]
+    for f in files:
+        if not f.is_file() or f.suffix != ".gguf":
+            raise FileNotFoundError(f"{f} is not a .gguf file")
+    find_llama_cpp()  # before any work
+    name = reference or gguf_source_name(files[0])
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    model, info, work, text_path, ids, digest, f32 = prepare(name, corpus, ctx, chunks, cache)
     base = work / f"base-{digest}-c{ctx}-n{chunks}.kld"
     ref_log = work / f"reference-f32-{digest}-c{ctx}-n{chunks}.log"
     if base.exists() and ref_log.exists():
