@@ -119,7 +119,7 @@ def gptq(
     # quantized against it), each column then rounds on its sub-block's stored two-level grid
     t = scheme.ggml_type
     per = t.super_block // t.block if t is not None else 1
-    if cols % (gc * per):
+    if t is not None and cols % (gc * per):
         raise ValueError(f"gptq: {cols} columns are not a whole number of {gc * per}-column scale groups")
     ow = gc * per                                                # columns per observation
 
