@@ -45,10 +45,16 @@ def test_parse_base_log_and_garbage():
 def test_base_tokens_header(tmp_path):
     toks = np.arange(2 * 8, dtype=np.int32)
     p = tmp_path / "base.kld"
-    p.write_bytes(np.array([49152, 2], dtype=np.int32).tobytes() + toks.tobytes() + b"\0" * 64)
+    p.write_bytes(b"_logits_" + np.array([8, 49152, 2], dtype=np.int32).tobytes() + toks.tobytes() + b"\0" * 64)
     assert torch.equal(L.base_tokens(p, 8), torch.arange(16).reshape(2, 8))
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(ValueError, match="n_ctx=8"):
         L.base_tokens(p, 64)
+    p.write_bytes(b"_logits_" + np.array([8, 49152, 9], dtype=np.int32).tobytes() + toks.tobytes())
+    with pytest.raises(ValueError, match="truncated"):
+        L.base_tokens(p, 8)
+    p.write_bytes(b"garbage!" + toks.tobytes())
+    with pytest.raises(ValueError, match="_logits_"):
+        L.base_tokens(p, 8)
 
 
 def test_missing_build_is_named(monkeypatch, tmp_path):

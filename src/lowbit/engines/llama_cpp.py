@@ -80,11 +80,16 @@ def parse_perplexity(log: str) -> dict[str, float]:
 
 def base_tokens(path: Path, ctx: int) -> torch.Tensor:
     """The tokens llama-perplexity scored, from the header of its ``--kl-divergence-base`` file
-    (``n_vocab``, ``n_chunk`` as int32, then ``n_chunk · ctx`` int32 tokens): ``(n_chunk, ctx)``."""
+    (``_logits_``, then int32 ``n_ctx``, ``n_vocab``, ``n_chunk`` and ``n_chunk · n_ctx`` int32
+    tokens): ``(n_chunk, ctx)``."""
     import numpy as np
 
     with open(path, "rb") as f:
-        _, n_chunk = (int(x) for x in np.frombuffer(f.read(8), dtype=np.int32))
+        if f.read(8) != b"_logits_":
+            raise ValueError(f"{path}: not a llama-perplexity logits file (no _logits_ header)")
+        n_ctx, _, n_chunk = (int(x) for x in np.frombuffer(f.read(12), dtype=np.int32))
+        if n_ctx != ctx:
+            raise ValueError(f"{path}: written with n_ctx={n_ctx}, expected {ctx}")
         toks = np.frombuffer(f.read(4 * n_chunk * ctx), dtype=np.int32)
     if toks.size != n_chunk * ctx:
         raise ValueError(f"{path}: truncated llama-perplexity logits file")
