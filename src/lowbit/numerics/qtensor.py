@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ggml as G
 from .granularity import blocked, from_matrix_view, matrix_view, unblocked
 from .scheme import Scheme, _global_divisor
 
@@ -28,11 +29,17 @@ class NonFiniteError(ValueError):
 @dataclass
 class QParams:
     """Scales of one tensor: ``scale`` and ``zero`` are ``(R, C)`` per block (fp32,
-    already rounded to how they are stored); ``global_scale`` is a 0-d fp32 tensor."""
+    already rounded to how they are stored); ``global_scale`` is a 0-d fp32 tensor.
+
+    GGUF k-quants (``scheme.ggml``) add a second level: ``super_scale`` (and ``super_min``)
+    ``(R, C // sub-blocks per super-block)`` fp16 values, of which ``scale`` (and ``zero``)
+    are whole multiples (:func:`lowbit.numerics.ggml.second_level`)."""
 
     scale: torch.Tensor
     zero: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    super_scale: torch.Tensor | None = None
+    super_min: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,6 +59,8 @@ class QTensor:
     zero: torch.Tensor | None
     global_scale: torch.Tensor | None
     scheme: Scheme
+    super_scale: torch.Tensor | None = None
+    super_min: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,7 +68,7 @@ class QTensor:
 
     @property
     def qparams(self) -> QParams:
-        return QParams(self.scale, self.zero, self.global_scale)
+        return QParams(self.scale, self.zero, self.global_scale, self.super_scale, self.super_min)
 
     def values(self) -> torch.Tensor:
         """The element values ``decode(code)`` (fp32), before scaling."""
@@ -83,6 +92,10 @@ def compute_qparams(x: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor 
     activation scale); otherwise it is computed from ``x``.
     """
     m = matrix_view(x.detach(), scheme.granularity).to(torch.float32)
+    if scheme.ggml:
+        _check_finite(m, "quantize")
+        scale, zero, super_scale, super_min = G.minmax_params(m, scheme.ggml_type)
+        return QParams(scale, zero, None, super_scale, super_min)
     b = blocked(m, scheme.granularity)
     lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))  # NaN propagates into these
     if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
@@ -133,16 +146,21 @@ def quantize(x: torch.Tensor, scheme: Scheme, qparams: QParams | None = None) ->
     if qparams is not None:
         _check_finite(x, "quantize")
     qp = qparams if qparams is not None else compute_qparams(x, scheme)
-    q, _, _, rows, cols = _quantize_blocks(x, scheme, qp)
-    vals = from_matrix_view(unblocked(q, rows, cols), tuple(x.shape), scheme.granularity)
+    if scheme.ggml:
+        vals = G.element_values(matrix_view(x, scheme.granularity), scheme.ggml_type, qp.scale, qp.zero).reshape(x.shape)
+    else:
+        q, _, _, rows, cols = _quantize_blocks(x, scheme, qp)
+        vals = from_matrix_view(unblocked(q, rows, cols), tuple(x.shape), scheme.granularity)
     codes = scheme.format.encode(vals)
-    return QTensor(codes, qp.scale, qp.zero, qp.global_scale, scheme)
+    return QTensor(codes, qp.scale, qp.zero, qp.global_scale, scheme, qp.super_scale, qp.super_min)
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(decode(code) − zero) · scale · global_scale`` in ``dtype``."""
     scheme = qt.scheme
     v = matrix_view(qt.values(), scheme.granularity)
+    if scheme.ggml:
+        return G.dequantize_values(v, scheme.ggml_type, qt.scale, qt.zero).reshape(qt.shape).to(dtype)
     rows, cols = v.shape
     b = blocked(v, scheme.granularity)
     qp = qt.qparams
@@ -160,6 +178,9 @@ def fake_quantize(x: torch.Tensor, scheme: Scheme, qparams: QParams | None = Non
     saturates to the largest code and NaN stays NaN in the output.
     """
     qp = qparams if qparams is not None else compute_qparams(x, scheme)
+    if scheme.ggml:
+        t, m = scheme.ggml_type, matrix_view(x, scheme.granularity)
+        return G.dequantize_values(G.element_values(m, t, qp.scale, qp.zero), t, qp.scale, qp.zero).reshape(x.shape).to(x.dtype)
     q, s, z, rows, cols = _quantize_blocks(x, scheme, qp)
     if z is not None:
         q = q.sub_(z)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import formats as F
+from . import ggml as G
 from ..util.validate import from_mapping
 from .granularity import CHANNEL, TENSOR, TOKEN, Granularity, block, group, parse_granularity
 
@@ -73,9 +74,12 @@ class Scheme:
     mx_round_up: bool = False
     full_range: bool = False
     mx_nearest: bool = False
+    ggml: str = ""
 
     def __post_init__(self) -> None:
         fmt = self.format
+        if self.ggml:
+            self._check_ggml()
         if fmt.kind == "e8m0":
             raise ValueError("e8m0 is a scale format, not an element format; use it as scale_dtype")
         if self.scale_dtype not in SCALE_DTYPES:
@@ -98,8 +102,25 @@ class Scheme:
         if self.full_range and not (fmt.kind == "int" and self.symmetric):
             raise ValueError("full_range applies to symmetric integer formats only")
 
+    def _check_ggml(self) -> None:
+        t = G.get_type(self.ggml)
+        want = dict(format=t.format_name, granularity=f"group({t.block})", symmetric=not t.has_min,
+                    scale_dtype="fp16", global_scale=False, dynamic=False, full_range=False, mx_round_up=False,
+                    mx_nearest=False)
+        have = {k: (getattr(self, k).name if k == "format" else str(getattr(self, k)) if k == "granularity"
+                    else getattr(self, k)) for k in want}
+        bad = [f"{k}={have[k]!r} (needs {v!r})" for k, v in want.items() if have[k] != v]
+        if bad:
+            raise ValueError(f"ggml type {t.name}: " + ", ".join(bad) + f"; use the preset gguf-{t.name}")
+
+    @property
+    def ggml_type(self) -> "G.GGMLType | None":
+        return G.get_type(self.ggml) if self.ggml else None
+
     def __str__(self) -> str:
         """Every field that differs from its default, so that different schemes print differently."""
+        if self.ggml:
+            return f"gguf {self.ggml}"
         parts = [self.format.name, str(self.granularity)]
         if not self.symmetric:
             parts.append("asym")
@@ -158,6 +179,10 @@ class Scheme:
         Returns ``(scale, zero)``; ``zero`` is ``None`` for symmetric schemes.
         """
         fmt = self.format
+        if self.ggml:
+            raise NotImplementedError(
+                f"scales_from_range is not defined for ggml type {self.ggml} (signed or two-level scales); "
+                "use compute_qparams or the GGUF-aware MSE / GPTQ observers")
         lo = torch.minimum(lo.to(torch.float32), torch.zeros((), dtype=torch.float32))
         hi = torch.maximum(hi.to(torch.float32), torch.zeros((), dtype=torch.float32))
         if not self.symmetric:
@@ -222,6 +247,9 @@ PRESETS: dict[str, Scheme] = {
     "mxfp6": Scheme(F.FP6_E2M3, group(32), scale_dtype="e8m0", dynamic=True),
     "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),
     "nvfp4": Scheme(F.FP4_E2M1, group(16), scale_dtype="fp8_e4m3", global_scale=True, dynamic=True),
+    # GGUF (llama.cpp) element types, `lowbit quantize --format gguf`
+    **{f"gguf-{t.name}": Scheme(F.FORMATS[t.format_name], group(t.block), symmetric=not t.has_min,
+                                scale_dtype="fp16", ggml=t.name) for t in G.GGML_TYPES.values()},
     # activations (the scale comes from each token / group at run time)
     "fp8-token": Scheme(F.FP8_E4M3, TOKEN, dynamic=True),
     "fp8-group128": Scheme(F.FP8_E4M3, group(128), dynamic=True),
@@ -285,6 +313,8 @@ def bits_per_element(scheme: Scheme, shape: tuple[int, ...] = DEFAULT_SHAPE) -> 
     numel = math.prod(shape)
     if numel == 0:
         raise ValueError(f"bits_per_element: empty shape {shape}")
+    if scheme.ggml:
+        return scheme.ggml_type.bits_per_element
     nr, nc = scheme.granularity.scale_shape(tuple(shape))
     per_block = SCALE_DTYPES[scheme.scale_dtype] + (0 if scheme.symmetric else scheme.format.bits)
     total = numel * scheme.format.bits + nr * nc * per_block + (32 if scheme.global_scale else 0)

@@ -367,6 +367,32 @@ RECIPES: dict[str, Recipe] = {
     )
 }
 
+#: GGUF files (``lowbit quantize --format gguf``): the token embedding — for a tied model also the
+#: output matrix, which llama-quantize keeps at Q6_K — is a rule target like the Linears
+_GGUF_EMB = {"targets": ["model.embed_tokens"], "weights": "gguf-q6_k"}
+
+
+def _gguf(name: str, description: str, base: str, more: list[dict] | None = None, algorithms=None) -> Recipe:
+    d = {"name": name, "description": description, "ignore": list(DEFAULT_IGNORE),
+         "rules": [{"targets": ["*"], "weights": base}, *(more or []), _GGUF_EMB]}
+    if algorithms:
+        d["algorithms"] = algorithms
+    return recipe_from_dict(d, f"preset {name}")
+
+
+_V_DOWN_Q6K = [{"targets": ["*.self_attn.v_proj", "*.mlp.down_proj"], "weights": "gguf-q6_k"}]
+_MSE = {"observer": "mse", "mse_importance": True}
+RECIPES.update({r.name: r for r in (
+    _gguf("gguf-q8_0", "GGUF Q8_0 (round to nearest)", "gguf-q8_0"),
+    *(r for t in ("q4_0", "q4_k") for r in (
+        _gguf(f"gguf-{t}", f"GGUF {t.upper()} (round to nearest, min-max)", f"gguf-{t}"),
+        _gguf(f"gguf-{t}-mse", f"GGUF {t.upper()}, activation-weighted MSE search (imatrix-style)", f"gguf-{t}",
+              algorithms=_MSE),
+        _gguf(f"gguf-{t}-gptq", f"GGUF {t.upper()}, GPTQ on the type's exact grid, weighted-MSE scales", f"gguf-{t}",
+              algorithms=_GPTQ_MSE))),
+    _gguf("gguf-q4_k_m", "GGUF Q4_K_M-style mix: Q4_K, V and down projections Q6_K", "gguf-q4_k", _V_DOWN_Q6K),
+)})
+
 #: the deployment notebook's experiment, the default of ``lowbit compare``
 COMPARE_DEFAULT: tuple[str, ...] = (
     "fp8-tensor", "fp8-dynamic", "fp8-block", "w4a16-int4-g128", "w4a16-mxfp4", "w4a16-nvfp4", "kv-fp8",

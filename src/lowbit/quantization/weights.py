@@ -42,9 +42,13 @@ class QuantizedWeight:
         if self.qtensor is None:
             return [QuantizedWeight(w, None, self.keep) for w in weights]
         q = self.qtensor
-        zeros = torch.split(q.zero, rows) if q.zero is not None else [None] * len(rows)
-        return [QuantizedWeight(w, QTensor(c, s, z, q.global_scale, q.scheme), None)
-                for w, c, s, z in zip(weights, torch.split(q.codes, rows), torch.split(q.scale, rows), zeros)]
+
+        def parts(x):
+            return torch.split(x, rows) if x is not None else [None] * len(rows)
+
+        return [QuantizedWeight(w, QTensor(c, s, z, q.global_scale, q.scheme, ss, sm), None)
+                for w, c, s, z, ss, sm in zip(weights, parts(q.codes), parts(q.scale), parts(q.zero),
+                                              parts(q.super_scale), parts(q.super_min))]
 
 
 @dataclass(frozen=True)

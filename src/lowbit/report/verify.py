@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.table import Table
 
 from .tables import num
 
-__all__ = ["verify_table", "check_line", "noise_line", "refused_lines"]
+__all__ = ["verify_table", "check_line", "noise_line", "refused_lines", "gguf_table", "gguf_check_line"]
 
 
 def _pct(a: float, b: float) -> str:
@@ -59,3 +61,36 @@ def noise_line(n) -> str:
 
 def refused_lines(v) -> list[str]:
     return [f"not verified: {why}" for _, why in v.refused]
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.2f}%"
+
+
+def gguf_check_line(c) -> str:
+    """One GGUF file verified in llama.cpp (:class:`lowbit.engines.llama_cpp.GGUFCheck`), one line."""
+    e, p = c.engine, c.lowbit
+    return (f"{Path(c.file).name}: llama.cpp PPL {e['ppl']:.4f}, lowbit {p['ppl']:.4f} (Δ {c.delta_ppl:+.4f}, target "
+            f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KLD llama.cpp {num(e.get('kld'), 4)} / lowbit "
+            f"{num(p['kl'], 4)}; same top-1 {num(e.get('same_top_p'), 2)}% / {_share(p['same_top'])}")
+
+
+def gguf_table(v) -> Table:
+    """llama.cpp's perplexity, KLD and same-top-p of each GGUF file beside lowbit's prediction of it."""
+    t = Table(title=f"{v.model}: llama.cpp llama-perplexity against lowbit's prediction — {v.corpus}, {v.chunks} "
+                    f"chunks × {v.ctx} tokens (second halves scored: {v.tokens_scored} tokens); KLD against the "
+                    f"F32 GGUF (llama.cpp) / the fp32 model (lowbit)", title_justify="left")
+    cols = ("file", "MiB", "llama.cpp PPL", "lowbit PPL", "Δ", "≤ 2×noise", "KLD llama.cpp", "KLD lowbit",
+            "same top-1 llama.cpp", "same top-1 lowbit", "llama.cpp s")
+    for c in cols:
+        t.add_column(c, justify="left" if c == "file" else "right", no_wrap=c == "file")
+    n = v.noise
+    t.add_row("F32 (noise floor)", "", num(n["engine_ppl"], 6), num(n["lowbit_ppl"], 6), num(n["delta_ppl"], 3),
+              "—", "", "", "", "", f"{n['engine_seconds']:.0f}")
+    for c in v.checks:
+        e, p = c.engine, c.lowbit
+        t.add_row(Path(c.file).name, f"{c.file_bytes / 2**20:.2f}", num(e["ppl"], 6), num(p["ppl"], 6),
+                  num(c.delta_ppl, 3), "yes" if c.ppl_ok else f"no (> {num(c.ppl_target, 2)})",
+                  num(e.get("kld"), 4), num(p["kl"], 4),
+                  f"{num(e.get('same_top_p'), 4)}%", _share(p['same_top']), f"{c.engine_seconds:.0f}")
+    return t

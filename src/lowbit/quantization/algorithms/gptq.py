@@ -115,13 +115,20 @@ def gptq(
     elif global_scale is None:
         global_scale = compute_qparams(W, scheme).global_scale
     observe = qparams_fn or (lambda wg, _cols, g: compute_qparams(wg, scheme, g))
+    # GGUF k-quants: scales are observed a whole super-block at a time (their sub-block scales are
+    # quantized against it), each column then rounds on its sub-block's stored two-level grid
+    t = scheme.ggml_type
+    per = t.super_block // t.block if t is not None else 1
+    if t is not None and cols % (gc * per):
+        raise ValueError(f"gptq: {cols} columns are not a whole number of {gc * per}-column scale groups")
+    ow = gc * per                                                # columns per observation
 
-    def group_columns(g: int) -> torch.Tensor:                   # storage indices of group g
-        return torch.arange(g * gc, min((g + 1) * gc, cols))
+    def group_columns(o: int) -> torch.Tensor:                   # storage indices of observation o
+        return torch.arange(o * ow, min((o + 1) * ow, cols))
 
-    qps: list[QParams | None] = [None] * n_groups
+    qps: list[QParams | None] = [None] * (n_groups // per if t is not None else n_groups)
     if static_groups:                                            # one observer call for every group
-        qps = _split_groups(observe(W, torch.arange(cols), global_scale), n_groups)
+        qps = _split_groups(observe(W, torch.arange(cols), global_scale), len(qps), per)
 
     perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(cols)
     inv_perm = torch.argsort(perm)
@@ -144,14 +151,15 @@ def gptq(
             for i in range(i2 - i1):
                 g = group_of[i1 + i]
                 if col_scale[g] is None:
-                    if qps[g] is None:
-                        c = group_columns(g)
+                    o = g // per
+                    if qps[o] is None:
+                        c = group_columns(o)
                         current = _current_columns(inv_perm[c], Wt, W1, E1, U, i1, i)  # (out, width)
-                        qps[g] = observe(current, c, global_scale)
-                    col_scale[g] = _per_row(qps[g], br, rows)
+                        qps[o] = observe(current, c, global_scale)
+                    col_scale[g] = _per_row(qps[o], br, rows, g % per, t is not None)
                 s, safe, z = col_scale[g]
                 w_col = W1[i]                                        # (out,)
-                q, w_hat = _round_column(w_col, s, safe, z, fmt)
+                q, w_hat = _round_column(w_col, s, safe, z, fmt, t is not None)
                 Qt[i1 + i] = q
                 err = E1[i]
                 torch.sub(w_col, w_hat, out=err).div_(d[i])          # (out,)
@@ -163,16 +171,23 @@ def gptq(
     Qv = Qt.T[:, inv_perm]                                       # (out, in), storage order
     scale = torch.cat([qp.scale for qp in qps], dim=1)          # (R, n_groups)
     zero = None if scheme.symmetric else torch.cat([qp.zero for qp in qps], dim=1)
+    supers = [None if getattr(qps[0], f) is None else torch.cat([getattr(qp, f) for qp in qps], dim=1)
+              for f in ("super_scale", "super_min")]                # GGUF k-quants' (R, super-blocks)
     codes = fmt.encode(Qv).reshape(w.shape)
-    return QTensor(codes, scale, zero, global_scale, scheme)
+    return QTensor(codes, scale, zero, global_scale, scheme, *supers)
 
 
-def _split_groups(qp: QParams, n_groups: int) -> list[QParams]:
-    """The ``(R, n_groups)`` scales of a whole tensor as one ``(R, 1)`` QParams per group."""
-    if qp.scale.shape[1] != n_groups:
-        raise ValueError(f"gptq: the observer returned {qp.scale.shape[1]} column groups, expected {n_groups}")
-    zeros = [None] * n_groups if qp.zero is None else list(qp.zero.split(1, dim=1))
-    return [QParams(s, z, qp.global_scale) for s, z in zip(qp.scale.split(1, dim=1), zeros)]
+def _split_groups(qp: QParams, n_obs: int, per: int = 1) -> list[QParams]:
+    """The ``(R, n_obs · per)`` scales of a whole tensor as one ``(R, per)`` QParams per
+    observation (a group; for GGUF k-quants a super-block of ``per`` sub-blocks)."""
+    if qp.scale.shape[1] != n_obs * per:
+        raise ValueError(f"gptq: the observer returned {qp.scale.shape[1]} column groups, expected {n_obs * per}")
+
+    def parts(x, width):
+        return [None] * n_obs if x is None else list(x.split(width, dim=1))
+
+    return [QParams(s, z, qp.global_scale, ss, sm) for s, z, ss, sm in
+            zip(parts(qp.scale, per), parts(qp.zero, per), parts(qp.super_scale, 1), parts(qp.super_min, 1))]
 
 
 @contextmanager
@@ -237,22 +252,28 @@ def _current_columns(
         out[~inside] = Wt[beyond] - U[i1:i1 + i, beyond].T @ E1[:i]
     return out.T
 
-def _per_row(qp: QParams, br: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A group's ``(R, 1)`` effective scale and zero expanded to one entry per row:
-    ``(s, safe, z)`` with ``safe`` the divisor :func:`_round_column` uses (``inf`` where
-    ``s`` is 0, so that such rows round to zero), formed once per group."""
-    s = _effective_scale(qp)[:, 0].repeat_interleave(br)[:rows]  # (out,)
-    safe = torch.where(s > 0, s, torch.full_like(s, float("inf")))
-    z = None if qp.zero is None else qp.zero[:, 0].repeat_interleave(br)[:rows]
+def _per_row(qp: QParams, br: int, rows: int, k: int = 0,
+             ggml: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Column ``k`` of an observation's ``(R, ·)`` effective scale and zero expanded to one
+    entry per row: ``(s, safe, z)`` with ``safe`` the divisor :func:`_round_column` uses
+    (``inf`` where ``s`` is 0, so that such rows round to zero — GGUF scales may be
+    negative), formed once per group."""
+    s = _effective_scale(qp)[:, k].repeat_interleave(br)[:rows]  # (out,)
+    safe = torch.where((s != 0) if ggml else (s > 0), s, torch.full_like(s, float("inf")))
+    z = None if qp.zero is None else qp.zero[:, k].repeat_interleave(br)[:rows]
     return s, safe, z
 
 
 def _round_column(
-    w: torch.Tensor, s: torch.Tensor, safe: torch.Tensor, z: torch.Tensor | None, fmt
+    w: torch.Tensor, s: torch.Tensor, safe: torch.Tensor, z: torch.Tensor | None, fmt, ggml: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Element values ``q`` and dequantized ``(q − z)·s`` of one column, with exactly the
     arithmetic of :func:`lowbit.numerics.qtensor.fake_quantize` (so that ``H = I`` gives RTN bit
-    for bit).  A zero scale (``safe = inf``) sends the column to zero."""
+    for bit).  A zero scale (``safe = inf``) sends the column to zero.  GGUF types
+    (``ggml``): ``q = round((w + z) / s)``, ``q·s − z`` (:mod:`lowbit.numerics.ggml`)."""
+    if ggml:
+        q = fmt.round((w if z is None else w + z) / safe)
+        return q, (q * s if z is None else q * s - z)
     x = w / safe
     if z is not None:
         x += z

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ...numerics import ggml as G
 from ...numerics.granularity import blocked, matrix_shape, matrix_view
 from ...numerics.qtensor import QParams, _check_finite, fake_quantize
 from ...numerics.scheme import Scheme
@@ -107,8 +108,6 @@ def mse_qparams(
     rows, cols = matrix_shape(tuple(w.shape), gran)
     _check_finite(w, "mse_qparams")
     m = matrix_view(w.detach(), gran).to(torch.float32)                      # (rows, cols)
-    lo, hi, g = _block_range(m, scheme, global_scale)                        # (R, C)
-
     if importance is None:
         weight = None
     else:
@@ -116,6 +115,9 @@ def mse_qparams(
         if imp.shape[0] != cols or (imp < 0).any() or not torch.isfinite(imp).all():
             raise ValueError(f"mse_qparams: importance must be ({cols},) finite and non-negative, got {tuple(importance.shape)}")
         weight = blocked(imp.expand(rows, cols), gran)                       # (R, br, C, bc)
+    if scheme.ggml:
+        return _ggml_search(m, scheme.ggml_type, clip_ratios(grid, max_shrink), weight, norm)
+    lo, hi, g = _block_range(m, scheme, global_scale)                        # (R, C)
 
     best = _BestPerBlock()
     for r in clip_ratios(grid, max_shrink):
@@ -127,3 +129,25 @@ def mse_qparams(
         err = e.sum(dim=(1, 3))                                              # (R, C)
         best.offer(err, scale, zero)
     return QParams(best.scale, best.zero, g)
+
+
+def _ggml_search(m: torch.Tensor, t: G.GGMLType, ratios: list[float], weight: torch.Tensor | None,
+                 norm: float) -> QParams:
+    """The clipping search on a GGUF type's exact grid: per block, the ratio whose stored
+    parameters (:func:`lowbit.numerics.ggml.block_params`) give the least (weighted) error.
+    For k-quants the super-scales stay those of the min-max range (ratio 1) and each
+    sub-block's quantized 6-/8-bit scale is searched against them, so every candidate is
+    evaluated with the two-level rounding that will be stored."""
+    rows, cols = m.shape
+    first = G.block_params(m, t)
+    supers = (first[2], first[3]) if t.two_level else None
+    w = None if weight is None else weight.reshape(rows, cols // t.block, t.block)
+    best = _BestPerBlock()
+    for r in ratios:
+        scale, zero, _, _ = first if r == 1.0 else G.block_params(m, t, r, supers)
+        q = G.dequantize_values(G.element_values(m, t, scale, zero), t, scale, zero)
+        e = (m - q).abs_().pow_(norm).reshape(rows, cols // t.block, t.block)
+        if w is not None:
+            e = e.mul_(w)
+        best.offer(e.sum(dim=-1), scale, zero)
+    return QParams(best.scale, best.zero, None, first[2], first[3])

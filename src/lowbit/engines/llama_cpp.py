@@ -1,0 +1,270 @@
+"""``lowbit verify FILE.gguf --engine llama.cpp``: llama.cpp's own numbers beside lowbit's prediction.
+
+llama.cpp's ``llama-perplexity`` (built by ``make llama-cpp``) reads a text file, tokenizes it,
+cuts it into chunks of ``ctx`` tokens and scores the second half of each chunk.  lowbit writes
+that text (the evaluation corpus' test tokens, decoded), an F32 GGUF of the unquantized model
+(the ``--kl-divergence-base``, so KLD and same-top-p are against the reference run in llama.cpp
+itself), and then computes its own prediction on the same tokens (read back from that base
+file, so tokenizer differences cannot creep in) and positions: the reference
+model and the weights the GGUF file decodes to (:func:`lowbit.checkpoint.gguf.read_gguf_weights`),
+fp32 in transformers, full-vocabulary KL.  The noise floor is the F32 file against lowbit's
+reference (``|PPL(llama.cpp F32) − PPL(lowbit fp32)|``); the target is that each file's
+``|PPL(llama.cpp) − PPL(lowbit)|`` stays within twice it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.gguf import read_gguf_weights, write_gguf
+from ..data import windows as data
+from ..models.assets import cache_dir
+from ..models.loading import load_model
+
+__all__ = ["find_llama_cpp", "parse_perplexity", "LlamaCppRun", "GGUFCheck", "GGUFVerification", "verify_gguf",
+           "gguf_source_name"]
+
+_REPO_BUILD = Path(__file__).resolve().parents[3] / "build" / "llama.cpp" / "bin"
+
+
+def find_llama_cpp(tool: str = "llama-perplexity") -> Path:
+    """The path of a llama.cpp tool: under ``$LOWBIT_LLAMA_CPP`` (a folder holding the binaries),
+    else the checkout's ``build/llama.cpp/bin`` (``make llama-cpp``)."""
+    for d in filter(None, (os.environ.get("LOWBIT_LLAMA_CPP"), str(_REPO_BUILD))):
+        p = Path(d) / tool
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    raise FileNotFoundError(f"{tool} not found: build llama.cpp once with `make llama-cpp` (about 8.5 minutes on 2 "
+                            f"cores; it lands in {_REPO_BUILD}) or point $LOWBIT_LLAMA_CPP at a folder holding it")
+
+
+_NUM = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def parse_perplexity(log: str) -> dict[str, float]:
+    """The figures of a ``llama-perplexity`` log: ``ppl`` (and ``ppl_err``) of the evaluated model,
+    with ``--kl-divergence`` also ``ppl_base``, ``kld`` (and ``kld_err``), ``same_top_p`` (%),
+    ``rms_dp`` (%); ``chunks`` and ``n_ctx`` from the run's header."""
+    out: dict[str, float] = {}
+    pats = {
+        "ppl": rf"Final estimate: PPL = {_NUM} \+/- {_NUM}",
+        "ppl_q": rf"Mean PPL\(Q\)\s*:\s*{_NUM}\s*±\s*{_NUM}",
+        "ppl_base": rf"Mean PPL\(base\)\s*:\s*{_NUM}\s*±\s*{_NUM}",
+        "kld": rf"Mean\s+KLD:\s*{_NUM}\s*±\s*{_NUM}",
+        "same_top_p": rf"Same top p:\s*{_NUM}\s*±\s*{_NUM}",
+        "rms_dp": rf"RMS Δp\s*:\s*{_NUM}\s*±\s*{_NUM}",
+    }
+    for key, pat in pats.items():
+        m = re.search(pat, log)
+        if m:
+            out[key], out[f"{key}_err"] = float(m.group(1)), float(m.group(2))
+    if "ppl_q" in out:
+        out["ppl"], out["ppl_err"] = out.pop("ppl_q"), out.pop("ppl_q_err")
+    m = re.search(r"(?:calculating perplexity|computing) over (\d+) chunks, n_ctx=(\d+)", log)
+    if m:
+        out["chunks"], out["n_ctx"] = float(m.group(1)), float(m.group(2))
+    if "ppl" not in out:
+        tail = "\n".join(log.strip().splitlines()[-15:])
+        raise RuntimeError(f"llama-perplexity printed no perplexity; the end of its log:\n{tail}")
+    return out
+
+
+def base_tokens(path: Path, ctx: int) -> torch.Tensor:
+    """The tokens llama-perplexity scored, from the header of its ``--kl-divergence-base`` file
+    (``_logits_``, then int32 ``n_ctx``, ``n_vocab``, ``n_chunk`` and ``n_chunk · n_ctx`` int32
+    tokens): ``(n_chunk, ctx)``."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        if f.read(8) != b"_logits_":
+            raise ValueError(f"{path}: not a llama-perplexity logits file (no _logits_ header)")
+        n_ctx, _, n_chunk = (int(x) for x in np.frombuffer(f.read(12), dtype=np.int32))
+        if n_ctx != ctx:
+            raise ValueError(f"{path}: written with n_ctx={n_ctx}, expected {ctx}")
+        toks = np.frombuffer(f.read(4 * n_chunk * ctx), dtype=np.int32)
+    if toks.size != n_chunk * ctx:
+        raise ValueError(f"{path}: truncated llama-perplexity logits file")
+    return torch.from_numpy(toks.astype(np.int64)).reshape(n_chunk, ctx)
+
+
+@dataclass(frozen=True)
+class LlamaCppRun:
+    figures: dict[str, float]
+    seconds: float
+    log: str
+
+
+def _run_perplexity(model: Path, text: Path, ctx: int, chunks: int, base: Path, *, write_base: bool,
+                    threads: int, log_path: Path) -> LlamaCppRun:
+    cmd = [str(find_llama_cpp()), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
+           "-b", str(ctx), "-t", str(threads), "--kl-divergence-base", str(base)]
+    if not write_base:
+        cmd.append("--kl-divergence")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    log_path.write_text(" ".join(cmd) + "\n" + log)
+    if proc.returncode:
+        tail = "\n".join(log.strip().splitlines()[-15:])
+        raise RuntimeError(f"llama-perplexity failed (exit {proc.returncode}, log {log_path}):\n{tail}")
+    return LlamaCppRun(parse_perplexity(log), time.perf_counter() - t0, log)
+
+
+@dataclass
+class Prediction:
+    """lowbit's numbers on llama-perplexity's positions (``kl``/``same_top`` against lowbit's reference)."""
+
+    ppl: float
+    kl: float | None = None
+    same_top: float | None = None
+    tokens: int = 0
+
+
+@torch.no_grad()
+def _predict(model, reference, chunks: torch.Tensor) -> Prediction:
+    """Score ``chunks`` ``(n, ctx)`` as llama-perplexity does: positions ``ctx//2 … ctx−2`` predict
+    the next token; against ``reference`` (a model, or ``None``) full-vocabulary KL and top-1 agreement."""
+    first = chunks.shape[1] // 2
+    nll, kls, agree = [], [], []
+
+    def logp(m, c):
+        return torch.log_softmax(m(c[None]).logits[0, first:-1].to(torch.float64), dim=-1)
+
+    for c in chunks:
+        lp = logp(model, c)
+        nll.append(-lp.gather(-1, c[first + 1:, None]).squeeze(-1))
+        if reference is not None:
+            r = logp(reference, c)
+            kls.append((r.exp() * (r - lp)).sum(-1))
+            agree.append((r.argmax(-1) == lp.argmax(-1)).double())
+    n = torch.cat(nll)
+    pred = Prediction(float(n.mean().exp()), tokens=n.numel())
+    if reference is not None:
+        pred.kl, pred.same_top = float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
+    return pred
+
+
+@dataclass
+class GGUFCheck:
+    file: str
+    engine: dict[str, float]
+    lowbit: dict
+    delta_ppl: float
+    ppl_target: float
+    engine_seconds: float
+    file_bytes: int
+
+    @property
+    def ppl_ok(self) -> bool:
+        return abs(self.delta_ppl) <= self.ppl_target
+
+
+@dataclass
+class GGUFVerification:
+    model: str
+    corpus: str
+    ctx: int
+    chunks: int
+    tokens_scored: int
+    noise: dict = field(default_factory=dict)
+    checks: list[GGUFCheck] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for c, cd in zip(self.checks, d["checks"]):
+            cd["ppl_ok"] = c.ppl_ok
+        return d
+
+
+def gguf_source_name(path: Path) -> str:
+    """``general.name`` of a GGUF file (lowbit writes the packaged model's name there)."""
+    import gguf
+
+    f = gguf.GGUFReader(str(path)).fields.get("general.name")
+    if f is None:
+        raise ValueError(f"{path} has no general.name; pass --reference MODEL")
+    return bytes(f.parts[-1]).decode()
+
+
+def prepare(name: str, corpus: str, ctx: int, chunks: int, cache: Path | None = None):
+    """The reference model and what llama-perplexity reads, written once under the cache: the
+    F32 GGUF of the model and the corpus' test text (decoded test tokens, twice what is scored).
+    Returns ``(model, info, work folder, text path, transformers' tokens of the text, text digest, F32 path)``."""
+    model, tok, info = load_model(name, cache=cache)
+    if info.needs_bos:
+        raise NotImplementedError(f"{name}: models evaluated with BOS (llama-perplexity replaces each chunk's first "
+                                  "token by BOS) are not verified yet")
+    work = cache_dir(cache) / "verify" / "llama.cpp" / info.name
+    work.mkdir(parents=True, exist_ok=True)
+    stream = data.stream_for(tok, corpus, "test", cache=cache)[: ctx * chunks * 2]
+    text = tok.decode(stream.tolist())
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][: ctx * chunks])
+    if ids.numel() < ctx * chunks:
+        raise ValueError(f"the {corpus} test split has {ids.numel()} tokens; {chunks} chunks of {ctx} need more")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    text_path = work / f"{corpus}-{digest}.txt"
+    if not text_path.exists():
+        text_path.write_text(text)
+    f32 = work / "reference-f32.gguf"
+    if not f32.exists():
+        write_gguf(model, {}, f32, tokenizer_dir=info.path, name=info.name, add_bos=False)
+    return model, info, work, text_path, ids, digest, f32
+
+
+def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str = "wiki", ctx: int = 512,
+                chunks: int = 16, threads: int | None = None, cache: Path | None = None,
+                target_factor: float = 2.0, predict: bool = True, on_result=None) -> GGUFVerification:
+    """Run ``llama-perplexity`` on each GGUF file and on an F32 GGUF of the reference, and lowbit's
+    prediction of the same files on the same chunks (see the module docstring).  ``predict=False``
+    runs llama.cpp only (e.g. on files another tool wrote); the F32 base run is reused when its
+    logits file and log exist."""
+    files = [Path(f) for f in files]
+    for f in files:
+        if not f.is_file() or f.suffix != ".gguf":
+            raise FileNotFoundError(f"{f} is not a .gguf file")
+    find_llama_cpp()  # before any work
+    name = reference or gguf_source_name(files[0])
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    model, info, work, text_path, ids, digest, f32 = prepare(name, corpus, ctx, chunks, cache)
+    base = work / f"base-{digest}-c{ctx}-n{chunks}.kld"
+    ref_log = work / f"reference-f32-{digest}-c{ctx}-n{chunks}.log"
+    if base.exists() and ref_log.exists():
+        ref_run = LlamaCppRun(parse_perplexity(ref_log.read_text()), 0.0, ref_log.read_text())
+    else:
+        ref_run = _run_perplexity(f32, text_path, ctx, chunks, base, write_base=True, threads=threads,
+                                  log_path=ref_log)
+    windows = base_tokens(base, ctx)  # exactly the tokens llama.cpp scored
+    if windows.shape[0] != chunks:
+        raise RuntimeError(f"llama.cpp tokenized the text into {windows.shape[0]} chunks of {ctx}, not {chunks}")
+    same_tokens = float((windows.reshape(-1) == ids).double().mean())
+    ref_pred = _predict(model, None, windows)
+    noise = abs(ref_run.figures["ppl"] - ref_pred.ppl)
+    res = GGUFVerification(info.name, corpus, ctx, chunks, ref_pred.tokens,
+                           {"engine_ppl": ref_run.figures["ppl"], "lowbit_ppl": ref_pred.ppl, "delta_ppl": noise,
+                            "engine_seconds": ref_run.seconds, "tokens_as_transformers": same_tokens})
+    for f in files:
+        run = _run_perplexity(f, text_path, ctx, chunks, base, write_base=False, threads=threads,
+                              log_path=work / f"{f.stem}.log")
+        if predict:
+            q = copy.deepcopy(model)
+            sd = q.state_dict()
+            for k, v in read_gguf_weights(f, model.config).items():
+                sd[k].copy_(v)
+            pred = asdict(_predict(q, model, windows))
+        else:
+            pred = asdict(Prediction(float("nan")))
+        check = GGUFCheck(str(f), run.figures, pred, run.figures["ppl"] - pred["ppl"], target_factor * noise,
+                          run.seconds, f.stat().st_size)
+        res.checks.append(check)
+        if on_result:
+            on_result(check)
+    return res

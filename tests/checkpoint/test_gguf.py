@@ -1,0 +1,111 @@
+"""GGUF out: the file the writer produces reads back (gguf's reader and dequantizers) to exactly
+the weights lowbit quantized, with llama.cpp's names, row order and metadata."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lowbit.checkpoint.gguf import gguf_tensor_name, read_gguf_weights, rope_row_order, write_gguf
+from lowbit.workflows.gguf import EMBEDDING, gguf_recipe, load_checked, quantize_for_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+def _k_llama():
+    """A 1-layer Llama whose rows hold whole 256-element super-blocks (k-quants without fallback)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tok_dir(tmp_path):
+    """A byte-level BPE tokenizer.json of 256 tokens (3 of them special) and two merges."""
+    vocab = {f"t{i}": i for i in range(256)}
+    added = [{"id": i, "content": f"<s{i}>", "special": True} for i in range(3)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(
+        {"model": {"type": "BPE", "vocab": vocab, "merges": [["t3", "t4"], "t5 t6"]}, "added_tokens": added}))
+    return tmp_path
+
+
+def test_names_and_rope_order():
+    assert gguf_tensor_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
+    assert gguf_tensor_name("model.embed_tokens.weight") == "token_embd.weight"
+    assert gguf_tensor_name("model.norm.weight") == "output_norm.weight"
+    with pytest.raises(ValueError, match="no GGUF name"):
+        gguf_tensor_name("model.layers.0.mlp.experts.0.up_proj.weight")
+    # one head of 8 rows: the two rotary halves (0-3, 4-7) interleaved
+    assert rope_row_order(8, 1).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k_m", "gguf-q8_0"])
+def test_written_file_decodes_to_lowbits_weights(recipe, tok_dir, tmp_path):
+    model = _k_llama()
+    qts, _ = quantize_for_gguf(model, recipe)
+    out = write_gguf(model, qts, tmp_path / "m.gguf", tokenizer_dir=tok_dir, name="tiny", add_bos=False)
+    got = read_gguf_weights(out, model.config)
+    sd = model.state_dict()
+    assert set(got) == set(sd) - {"lm_head.weight"}          # tied: no output tensor
+    for name, t in got.items():
+        assert torch.equal(t, sd[name]), name
+    load_checked(model, out)
+    r = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    if recipe == "gguf-q4_k_m":
+        assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.0.attn_v.weight"] == "Q6_K"
+        assert types["blk.0.ffn_down.weight"] == "Q6_K" and types["token_embd.weight"] == "Q6_K"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    f = {k: v for k, v in r.fields.items()}
+    assert bytes(f["general.architecture"].parts[-1]).decode() == "llama"
+    assert int(f["llama.attention.head_count_kv"].parts[-1][0]) == 2
+    assert int(f["tokenizer.ggml.bos_token_id"].parts[-1][0]) == 1
+    assert len(f["tokenizer.ggml.tokens"].data) == 256
+
+
+def test_rows_without_whole_super_blocks_fall_back(tiny_llama):
+    """hidden 64: q4_k cannot hold the rows; they become q5_0, as llama-quantize writes them."""
+    r, emb = gguf_recipe("gguf-q4_k", tiny_llama)
+    assert emb.ggml == "q8_0"                                   # q6_k's fallback
+    resolved = r.resolve(["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"])
+    assert resolved["model.layers.0.self_attn.q_proj"][0].ggml == "q5_0"
+    assert resolved["model.layers.0.mlp.down_proj"][0].ggml == "q5_0"   # 128 columns: not a whole 256 either
+
+
+def test_refusals(tok_dir, tmp_path, tiny_llama):
+    model = _k_llama()
+    qts, _ = quantize_for_gguf(model, "gguf-q4_0")
+    out = write_gguf(model, qts, tmp_path / "m.gguf", tokenizer_dir=tok_dir, name="tiny", add_bos=False)
+    with pytest.raises(FileExistsError):
+        write_gguf(model, qts, out, tokenizer_dir=tok_dir, name="tiny", add_bos=False)
+    with pytest.raises(ValueError, match="not a GGUF type"):
+        gguf_recipe("w4a16-int4-g128", tiny_llama)
+    with pytest.raises(ValueError, match="quantizes inputs"):
+        gguf_recipe("fp8-dynamic", tiny_llama)
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    g = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(NotImplementedError, match="gemma3"):
+        write_gguf(g, {}, tmp_path / "g.gguf", tokenizer_dir=tok_dir, name="g", add_bos=True)
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_gptq_on_the_k_quant_grid_lowers_the_layer_error(tok_dir, tmp_path):
+    """GPTQ in the layer-by-layer pass on Q4_K: the file still decodes exactly, and the
+    weights differ from round-to-nearest's (the error feedback moved codes)."""
+    windows = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    rtn, gptq = _k_llama(), _k_llama()
+    quantize_for_gguf(rtn, "gguf-q4_k")
+    qts, _ = quantize_for_gguf(gptq, "gguf-q4_k-gptq", windows)
+    assert qts["model.layers.0.mlp.up_proj"].super_scale is not None
+    out = write_gguf(gptq, qts, tmp_path / "g.gguf", tokenizer_dir=tok_dir, name="tiny", add_bos=False)
+    load_checked(gptq, out)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(rtn.state_dict()[name], gptq.state_dict()[name])
+    assert torch.equal(rtn.state_dict()["model.embed_tokens.weight"], gptq.state_dict()["model.embed_tokens.weight"])
+    assert EMBEDDING in qts and np.isfinite(gptq.state_dict()[name].numpy()).all()

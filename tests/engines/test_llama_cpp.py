@@ -1,0 +1,90 @@
+"""``lowbit verify FILE.gguf --engine llama.cpp``: the parts that need no llama.cpp build (the log
+parser, the logits-file header, the refusal when the build is absent) run always; the end-to-end
+checks on SmolLM2 run in the ``llamacpp`` tier, skipped with the reason when ``make llama-cpp``
+has not been run."""
+
+import numpy as np
+import pytest
+import torch
+
+from lowbit.engines import llama_cpp as L
+
+KLD_LOG = """
+kl_divergence: computing over 4 chunks, n_ctx=256, batch_size=256, n_seq=1
+====== Perplexity statistics ======
+Mean PPL(Q)                   :  17.512345 ±   0.812345
+Mean PPL(base)                :  15.040000 ±   0.700000
+Cor(ln(PPL(Q)), ln(PPL(base))):  97.12%
+Mean ln(PPL(Q)/PPL(base))     :   0.152345 ±   0.010000
+
+====== KL divergence statistics ======
+Mean    KLD:   0.274450 ±   0.004000
+Maximum KLD:   5.000000
+
+====== Token probability statistics ======
+RMS Δp    : 12.345 ± 0.321 %
+Same top p: 73.410 ± 0.870 %
+"""
+
+
+def test_parse_kl_divergence_log():
+    f = L.parse_perplexity(KLD_LOG)
+    assert f["ppl"] == 17.512345 and f["ppl_err"] == 0.812345 and f["ppl_base"] == 15.04
+    assert f["kld"] == 0.27445 and f["same_top_p"] == 73.41 and f["rms_dp"] == 12.345
+    assert f["chunks"] == 4 and f["n_ctx"] == 256
+
+
+def test_parse_base_log_and_garbage():
+    f = L.parse_perplexity("perplexity: calculating perplexity over 8 chunks, n_ctx=512, batch_size=512, n_seq=1\n"
+                           "[1]15.1,[2]15.3\nFinal estimate: PPL = 15.0412 +/- 0.61234\n")
+    assert f["ppl"] == 15.0412 and f["chunks"] == 8 and "kld" not in f
+    with pytest.raises(RuntimeError, match="no perplexity"):
+        L.parse_perplexity("error: failed to load model\n")
+
+
+def test_base_tokens_header(tmp_path):
+    toks = np.arange(2 * 8, dtype=np.int32)
+    p = tmp_path / "base.kld"
+    p.write_bytes(b"_logits_" + np.array([8, 49152, 2], dtype=np.int32).tobytes() + toks.tobytes() + b"\0" * 64)
+    assert torch.equal(L.base_tokens(p, 8), torch.arange(16).reshape(2, 8))
+    with pytest.raises(ValueError, match="n_ctx=8"):
+        L.base_tokens(p, 64)
+    p.write_bytes(b"_logits_" + np.array([8, 49152, 9], dtype=np.int32).tobytes() + toks.tobytes())
+    with pytest.raises(ValueError, match="truncated"):
+        L.base_tokens(p, 8)
+    p.write_bytes(b"garbage!" + toks.tobytes())
+    with pytest.raises(ValueError, match="_logits_"):
+        L.base_tokens(p, 8)
+
+
+def test_missing_build_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWBIT_LLAMA_CPP", str(tmp_path))
+    monkeypatch.setattr(L, "_REPO_BUILD", tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="make llama-cpp"):
+        L.find_llama_cpp()
+
+
+def _have_build() -> bool:
+    try:
+        L.find_llama_cpp()
+        L.find_llama_cpp("llama-quantize")
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(not _have_build(), reason="llama.cpp is not built: run `make llama-cpp` (about 8.5 min on 2 cores)")
+def test_q4_0_and_q4_k_files_end_to_end(tmp_path):
+    """lowbit writes SmolLM2 as Q4_0 and Q4_K; llama.cpp loads and scores both, and lowbit's
+    prediction of each file agrees with llama.cpp's perplexity within twice the F32 noise floor."""
+    from lowbit.workflows.gguf import quantize_to_gguf
+
+    files = [quantize_to_gguf("smollm2-135m", r, tmp_path / f"{r}.gguf", evaluate=False, progress=False).path
+             for r in ("gguf-q4_0", "gguf-q4_k")]
+    res = L.verify_gguf(files, ctx=256, chunks=4, cache=None)
+    assert res.noise["tokens_as_transformers"] > 0.99
+    for c in res.checks:
+        assert c.ppl_ok, (c.file, c.delta_ppl, c.ppl_target)
+        assert c.engine["kld"] == pytest.approx(c.lowbit["kl"], rel=0.1)
+        assert c.engine["same_top_p"] / 100 == pytest.approx(c.lowbit["same_top"], abs=0.03)
