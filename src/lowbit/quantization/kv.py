@@ -41,7 +41,7 @@ def quantize_kv(t: torch.Tensor, scheme: Scheme, static_amax: torch.Tensor | Non
         return fake_quantize(tt, replace(scheme, granularity=TOKEN)).transpose(-1, -2)
     if static_amax is None:
         return fake_quantize(t, scheme)
-    amax = static_amax.to(torch.float32).reshape(-1, 1)  # (1, 1) or (heads, 1)
+    amax = static_amax.to(t.device, torch.float32).reshape(-1, 1)  # (1, 1) or (heads, 1)
     scale, zero = scheme.scales_from_range(-amax, amax)
     return fake_quantize(t, scheme, QParams(scale, zero))
 
