@@ -158,8 +158,8 @@ class Scheme:
         Returns ``(scale, zero)``; ``zero`` is ``None`` for symmetric schemes.
         """
         fmt = self.format
-        lo = torch.minimum(lo.to(torch.float32), torch.zeros((), dtype=torch.float32))
-        hi = torch.maximum(hi.to(torch.float32), torch.zeros((), dtype=torch.float32))
+        lo = torch.minimum(lo.to(torch.float32), torch.zeros((), dtype=torch.float32, device=lo.device))
+        hi = torch.maximum(hi.to(torch.float32), torch.zeros((), dtype=torch.float32, device=hi.device))
         if not self.symmetric:
             scale = self.round_scale((hi - lo) / (fmt.max - fmt.min))
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))

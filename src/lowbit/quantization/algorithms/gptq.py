@@ -117,13 +117,14 @@ def gptq(
     observe = qparams_fn or (lambda wg, _cols, g: compute_qparams(wg, scheme, g))
 
     def group_columns(g: int) -> torch.Tensor:                   # storage indices of group g
-        return torch.arange(g * gc, min((g + 1) * gc, cols))
+        return torch.arange(g * gc, min((g + 1) * gc, cols), device=W.device)
 
     qps: list[QParams | None] = [None] * n_groups
     if static_groups:                                            # one observer call for every group
-        qps = _split_groups(observe(W, torch.arange(cols), global_scale), n_groups)
+        qps = _split_groups(observe(W, torch.arange(cols, device=W.device), global_scale), n_groups)
 
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(cols)
+    perm = (torch.argsort(H.diagonal(), descending=True, stable=True) if act_order
+            else torch.arange(cols, device=W.device))
     inv_perm = torch.argsort(perm)
     # columns become rows: every column GPTQ visits is then one contiguous vector
     Wt = W[:, perm].T.contiguous()                               # (in, out), permuted order
@@ -202,7 +203,7 @@ def _upper_cholesky_of_inverse(H: torch.Tensor, damp: float) -> torch.Tensor:
     n = H.shape[0]
     mean_diag = float(H.diagonal().mean())
     lam = damp * mean_diag
-    eye = torch.eye(n, dtype=H.dtype)
+    eye = torch.eye(n, dtype=H.dtype, device=H.device)
     for attempt in range(12):
         Hd = H.flip(0, 1)                                        # J H J
         Hd.diagonal().add_(lam)
@@ -229,7 +230,7 @@ def _current_columns(
     rows of ``W1``; beyond it ``Wt`` still lacks this block's pending update
     ``U[i1:i1+i, p]ᵀ · E1[:i]``.  (``Wt``, ``W1``, ``E1`` hold columns as rows.)"""
     i2 = i1 + W1.shape[0]
-    out = torch.empty(len(positions), Wt.shape[1], dtype=Wt.dtype)  # (width, out)
+    out = torch.empty(len(positions), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)  # (width, out)
     inside = positions < i2
     out[inside] = W1[positions[inside] - i1]
     beyond = positions[~inside]
