@@ -79,7 +79,8 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
                 x2 = x.detach().reshape(-1, x.shape[-1])
                 last[0], last[1] = x, torch.maximum(x2.amax(0), -x2.amin(0)).float()  # (aminmax is ~10× slower)
             a = last[1]
-            into[name] = torch.maximum(into[name], a) if name in into else a
+            # a copy at first: Linears reading one input must not share one tensor (safetensors refuses to save that)
+            into[name] = torch.maximum(into[name], a) if name in into else a.clone()
 
         return hook
 
