@@ -65,3 +65,12 @@ def test_a_device_mapped_model_evaluates_the_same(tiny_folder, tmp_path):
     assert a.ppl == pytest.approx(b.ppl, rel=1e-6)
     with pytest.raises(ValueError, match="device map is evaluated as loaded only"):
         spread.run(RECIPES["w4a16-int4-tensor"])
+
+
+def test_a_reference_that_overflows_its_dtype_is_refused(tiny_llama, windows, tmp_path):
+    m = copy.deepcopy(tiny_llama).to(torch.float16)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(1e4)  # activations beyond fp16's 65504: inf, then NaN
+    bench = _bench(m, windows, tmp_path, dtype=torch.float16, workers=1)
+    with pytest.raises(ValueError, match="NaN or inf on .* windows in float16.*use --dtype bf16 or fp32"):
+        bench.reference

@@ -237,12 +237,18 @@ class Workbench:
     def reference(self) -> Reference:
         if self._reference is None:
             path = self.cache / "references" / f"{self.info.name}-{self._key(self.windows, self.kl_topk)}.safetensors"
-            self._reference = self._cached(
-                "reference", path, Reference.load,
-                lambda: reference_predictions(plain_forward(self.model), self.windows, self.kl_topk,
-                                              progress=self.progress, workers=self.workers, batch=self.eval_batch),
-            )
+            self._reference = self._cached("reference", path, Reference.load, self._reference_pass)
         return self._reference
+
+    def _reference_pass(self) -> Reference:
+        ref = reference_predictions(plain_forward(self.model), self.windows, self.kl_topk, progress=self.progress,
+                                    workers=self.workers, batch=self.eval_batch)
+        bad = int((~torch.isfinite(ref.nll)).any(-1).sum())
+        if bad and self.dtype != torch.float32:  # (fp32 non-finite weights are named when quantized)
+            raise ValueError(f"the reference's log-probabilities are NaN or inf on {bad} of {len(self.windows)} "
+                             f"windows in {str(self.dtype).replace('torch.', '')}: the model's activations overflow "
+                             "it; use --dtype bf16 or fp32")
+        return ref
 
     @property
     def stats(self) -> CalibStats:
