@@ -70,7 +70,7 @@ def test_a_device_mapped_model_evaluates_the_same(tiny_folder, tmp_path):
 def test_a_reference_that_overflows_its_dtype_is_refused(tiny_llama, windows, tmp_path):
     m = copy.deepcopy(tiny_llama).to(torch.float16)
     with torch.no_grad():
-        m.model.embed_tokens.weight.mul_(1e4)  # activations beyond fp16's 65504: inf, then NaN
+        m.model.embed_tokens.weight.mul_(1e6)  # tied lm_head: logits beyond fp16's 65504, inf, then NaN
     bench = _bench(m, windows, tmp_path, dtype=torch.float16, workers=1)
     with pytest.raises(ValueError, match="NaN or inf on .* windows in float16.*use --dtype bf16 or fp32"):
         bench.reference
