@@ -2,7 +2,7 @@
 # The real-model MoE check (issue 21), for a GPU machine with network access; CI does not run it.
 # Quantizes a real Qwen3-MoE (default Qwen/Qwen3-30B-A3B, ~61 GB in bf16: load it whole, the
 # low-memory path refuses MoE) with a few recipes, then serves each folder with vLLM and compares
-# log-probabilities with lowbit's reading (scripts/gpu_check.sh).
+# log-probabilities with lowbit's reading (scripts/gpu_verify.sh).
 #
 #   scripts/gpu_check_moe.sh [MODEL] [OUT]
 #
@@ -20,4 +20,4 @@ for R in ${RECIPES:-w4a16-int4-g128 fp8-dynamic w4a16-nvfp4 w4a16-gptq-g128}; do
   lowbit quantize "$MODEL" --recipe "$R" --out "$D" --force ${CALIB:+--calib-windows "$CALIB"}
   dirs+=("$D")
 done
-exec "$HERE/scripts/gpu_check.sh" "${dirs[@]}"
+exec "$HERE/scripts/gpu_verify.sh" "${dirs[@]}"

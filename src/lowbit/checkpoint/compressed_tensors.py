@@ -260,7 +260,7 @@ def weight_tensors(qt: QTensor, fmt: str, dtype: torch.dtype) -> dict[str, torch
     out = {
         "weight_packed": pack_int32(_signed(qt), bits),
         "weight_scale": _scale(qt, dtype),
-        "weight_shape": torch.tensor(qt.shape, dtype=torch.int64),
+        "weight_shape": torch.tensor(qt.shape, dtype=torch.int64, device=qt.codes.device),
     }
     if qt.zero is not None:
         out["weight_zero_point"] = pack_int32(qt.zero - 2 ** (bits - 1), bits, dim=0)

@@ -71,12 +71,13 @@ def cmd_assets(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, model: str, windows: int | None = None, calib_windows: int | None = None):
     from ..evaluation.compare import Workbench
+    from .device import bench_placement
 
     return Workbench.load(
         model, corpus=args.corpus, calib_corpus=args.calib_corpus, loss_on=args.loss_on,
         windows=windows or args.windows or 64, seq_len=args.seq_len,
         calib_windows=args.calib_windows if calib_windows is None else calib_windows, seed=args.seed,
-        cache=args.cache, kl_topk=args.kl_topk, workers=args.workers,
+        cache=args.cache, kl_topk=args.kl_topk, workers=args.workers, **bench_placement(args, model),
     )
 
 
@@ -195,6 +196,9 @@ def _eval_options(p: argparse.ArgumentParser, windows: int | None = 64, tasks: b
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes that share the windows, one torch thread each "
                         "(default $LOWBIT_WORKERS or torch's thread count; 1: this process only)")
+    from .device import add_device_options
+
+    add_device_options(p)
     if tasks:
         from .tasks import add_options
 

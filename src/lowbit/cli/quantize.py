@@ -35,21 +35,24 @@ def _cmd_quantize_gguf(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from ..workflows import quantize_streaming, quantize_to_folder
+    from .device import device_settings
 
     if args.format == "gguf":
         return _cmd_quantize_gguf(args)
+    device, run_dtype = device_settings(args)
     if args.low_memory:
         if args.eval:
             raise ValueError("--low-memory does not evaluate (that needs the whole model in memory); pass --no-eval "
                              f"and run `lowbit eval {args.out} --reference {args.model}` afterwards")
         res = quantize_streaming(args.model, args.recipe, Path(args.out), force=args.force,
                                  calib_windows=args.calib_windows, corpus=args.calib_corpus or args.corpus, seed=args.seed,
-                                 cache=args.cache)
+                                 cache=args.cache, device=device, run_dtype=run_dtype)
     else:
         res = quantize_to_folder(
             args.model, args.recipe, Path(args.out), force=args.force, calib_windows=args.calib_windows,
             corpus=args.corpus, calib_corpus=args.calib_corpus, loss_on=args.loss_on, seed=args.seed,
             evaluate=args.eval, windows=args.windows, cache=args.cache,
+            device=device, run_dtype=run_dtype, batch=args.batch,
         )
     s = res.sizes
     print(f"wrote {res.path} ({', '.join(sorted(set(res.formats))) or 'no quantized Linears'})")
@@ -92,6 +95,9 @@ def register(subparsers) -> None:
                    help="hold one decoder layer in memory at a time, reading the model from its safetensors and "
                         "writing the checkpoint layer by layer (for models larger than memory; needs --no-eval)")
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
+    from .device import add_device_options
+
+    add_device_options(p)  # with --low-memory: one decoder layer at a time on --device
     p.set_defaults(func=cmd_quantize)
 
     s = subparsers.add_parser("serve-command", help="print the vLLM / SGLang commands for an exported folder")

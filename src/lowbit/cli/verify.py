@@ -18,6 +18,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..report.tables import print_tables
     from ..util.io import atomic_write_text
 
+    from ..util.device import resolve_device
+
+    device = resolve_device(args.device)
     if args.json and Path(args.json).exists() and not args.force:
         raise FileExistsError(f"{args.json} exists; pass --force to overwrite it")
     if args.engine == "llama.cpp":
@@ -33,7 +36,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         res = verify([Path(d) for d in args.dirs], reference=args.reference, recipe=args.recipe, windows=args.windows,
                      seq_len=args.seq_len, corpus=args.corpus, k=args.topk, python=args.python, engine=args.engine,
-                     kv_chunk=args.kv_chunk, cache=args.cache,
+                     kv_chunk=args.kv_chunk, cache=args.cache, device=device,
                      on_result=lambda c: print(render.check_line(c), flush=True),
                      on_noise=lambda n: print(render.noise_line(n), flush=True))
         for line in render.refused_lines(res):
@@ -71,4 +74,7 @@ def register(subparsers) -> None:
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     p.add_argument("--json", metavar="FILE", help="write results here (default: a new file under the cache)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    from .device import add_device_options
+
+    add_device_options(p, dtype=False, batch=False)  # the dtype is the engine's (docs/devices.md)
     p.set_defaults(func=cmd_verify)

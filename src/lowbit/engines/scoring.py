@@ -56,8 +56,8 @@ def logprobs_at(logits: torch.Tensor, ids: np.ndarray | torch.Tensor) -> np.ndar
     """``log_softmax(logits)`` at ``ids`` ``(positions, k)``, in float64."""
     logits = logits.double()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    idx = torch.as_tensor(np.asarray(ids), dtype=torch.long)
-    return (logits.gather(-1, idx) - lse).numpy()
+    idx = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=logits.device)
+    return (logits.gather(-1, idx) - lse).cpu().numpy()
 
 
 def coarse_kl(lp_p: np.ndarray, lp_q: np.ndarray) -> np.ndarray:

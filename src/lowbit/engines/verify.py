@@ -230,8 +230,8 @@ def _compare(bench: Workbench, forward, scores: EngineScores, with_reference: bo
 def _window(bench, forward, ref_forward, reference, scores, acc, w: int) -> float:
     """One window into ``acc``; returns its summed top-1024 KL(reference ‖ lowbit) (0 without)."""
     ids = bench.windows[w:w + 1]
-    logits = forward(ids)[0, :-1].float()
-    ref_logits = ref_forward(ids)[0, :-1].float() if ref_forward else None
+    logits = forward(ids)[0, :-1].float().cpu()  # the engine's scores are numpy arrays
+    ref_logits = ref_forward(ids)[0, :-1].float().cpu() if ref_forward else None
     acc.add(logits, ids[0, 1:], scores, w, ref_logits)
     if reference is None:
         return 0.0
@@ -254,8 +254,12 @@ def verify(
     progress: bool = False,
     on_result=None,
     on_noise=None,
+    device: torch.device | str = "cpu",
 ) -> Verification:
     """Verify each exported folder against vLLM (see the module docstring).
+
+    ``device``: where lowbit's own prediction runs (the engine picks its own); the dtype
+    is the engine's for each folder.
 
     A folder whose scheme the engine cannot run, or that the engine fails on, is refused
     with a one-line reason; with a single folder that reason is raised.
@@ -294,8 +298,10 @@ def verify(
                 raise
             refused.append((str(f), str(e)))
     t0 = time.perf_counter()
+    device = torch.device(device)
+    placed = {} if device.type == "cpu" else {"device": device}
     bench = Workbench.load(sources.pop(), corpus=corpus, windows=windows, seq_len=seq_len, calib_windows=0,
-                           cache=cache, progress=progress, workers=1)
+                           cache=cache, progress=progress, workers=1, **placed)
     stages = {"load": time.perf_counter() - t0}
     checks: list[CheckpointCheck] = []
     noise = noise_req = None
@@ -304,7 +310,8 @@ def verify(
         s = schemes[f]
         dtype = engine_dtype(s)
         if dtype not in lowbit_models:
-            lowbit_models[dtype] = load_model(str(bench.info.path), cache=cache, dtype=_DTYPES[dtype])[0]
+            lowbit_models[dtype] = load_model(str(bench.info.path), cache=cache, dtype=_DTYPES[dtype],
+                                              device=device)[0]
         base = lowbit_models[dtype]
         if noise is None:
             noise_req = EngineRequest(str(bench.info.path), dtype, k, seq_len + 1)

@@ -22,6 +22,7 @@ from ..numerics.granularity import HEAD
 from ..quantization.kv import cache_kwarg, make_cache, quantize_kv
 from ..models.arch import arch_of, decoder_layers
 from ..quantization.recipe import RECIPES, Recipe
+from ..quantization.runtime import input_device
 from ..numerics.scheme import PRESETS, Scheme
 
 __all__ = ["SensitivityRow", "Sensitivity", "sensitivity", "KVLayerStats", "KVStats", "kv_stats", "KV_RECIPES"]
@@ -132,8 +133,10 @@ def kv_stats(bench: Workbench, windows: int = 4, *, perplexity: bool = True) -> 
 
     model = bench.model
     kw = cache_kwarg(model)
+    dev = input_device(model)  # None: accelerate's hooks place the inputs
     for i in range(min(windows, len(bench.windows))):
-        model(input_ids=bench.windows[i : i + 1], use_cache=True, **{kw: make_cache(model.config, keep)})
+        ids = bench.windows[i : i + 1]
+        model(input_ids=ids if dev is None else ids.to(dev), use_cache=True, **{kw: make_cache(model.config, keep)})
     fp8 = PRESETS["fp8-tensor"]
     fp8_head = replace(fp8, granularity=HEAD)
     int8_asym = RECIPES["kv-int8-k-asym"].kv_cache.scheme

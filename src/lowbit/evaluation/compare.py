@@ -15,6 +15,7 @@ from torch import nn
 
 from ..models.loading import load_model
 from ..quantization.recipe import Recipe, load_recipe
+from ..util.device import is_default
 from ..util.io import write_json
 from .rowcache import cached_row, is_cached
 from .workbench import (HIGH_PRECISION_BITS, Comparison, Row, Workbench, kv_bits, model_fingerprint,  # noqa: F401
@@ -53,7 +54,8 @@ def load_candidate(bench: Workbench, model: str) -> nn.Module:
     Raises:
         ValueError: ``model`` uses another tokenizer than the reference (KL needs one vocabulary).
     """
-    loaded, tok, _ = load_model(model, cache=bench.cache)
+    placed = {} if is_default(bench.device, bench.dtype) else {"device": bench.device, "dtype": bench.dtype}
+    loaded, tok, _ = load_model(model, cache=bench.cache, **placed)  # where the bench's model is
     if bench.tokenizer.get_vocab() != tok.get_vocab():
         raise ValueError(f"{model} and {bench.info.name} use different tokenizers; KL needs one vocabulary")
     return loaded

@@ -29,7 +29,7 @@ from ..data import windows as data
 from ..quantization.kv import cache_kwarg, make_cache
 from ..quantization.pipeline import quantize
 from ..quantization.recipe import Recipe
-from ..quantization.runtime import quantized_activations
+from ..quantization.runtime import input_device, quantized_activations
 from ..util.progress import staged_progress
 from .metrics import window_metrics
 from .workbench import Workbench
@@ -105,6 +105,9 @@ def _window_pass(model, ids: torch.Tensor, kv, topk: int, ref: dict | None) -> d
     positions: the NLL, and either the top-``topk`` reference log-probabilities (``ref`` None)
     or the KL against them."""
     body = model.get_decoder()
+    dev = input_device(model)
+    if dev is not None:
+        ids = ids.to(dev)
     kw = {}
     if kv is not None:
         kw = {"use_cache": True, cache_kwarg(body): make_cache(model.config, kv.on_write)}
@@ -122,24 +125,24 @@ def _window_pass(model, ids: torch.Tensor, kv, topk: int, ref: dict | None) -> d
             top_ids.append(top.indices.to(torch.int32))
             top_lp.append(top.values - lse)
         else:
-            m = window_metrics(logits, targets[s : s + _CHUNK], _RefSlice(ref, s, s + _CHUNK), 0, lse)
+            m = window_metrics(logits, targets[s : s + _CHUNK], _RefSlice(ref, s, s + _CHUNK, logits.device), 0, lse)
             kl.append(m["kl"])
         nll.append(m["nll"])
-    out = {"nll": torch.cat(nll)}
+    out = {"nll": torch.cat(nll).cpu()}
     if ref is None:
-        out |= {"topk_ids": torch.cat(top_ids), "topk_logprobs": torch.cat(top_lp)}
+        out |= {"topk_ids": torch.cat(top_ids).cpu(), "topk_logprobs": torch.cat(top_lp).cpu()}
     else:
-        out["kl"] = torch.cat(kl)
+        out["kl"] = torch.cat(kl).cpu()
     return out
 
 
 class _RefSlice:
     """The part of one reference window that :func:`window_metrics` reads (window index 0)."""
 
-    def __init__(self, ref: dict, lo: int, hi: int):
-        self.topk_ids = ref["topk_ids"][lo:hi][None]
-        self.topk_logprobs = ref["topk_logprobs"][lo:hi][None]
-        self.argmax = ref["topk_ids"][lo:hi, 0].long()[None]
+    def __init__(self, ref: dict, lo: int, hi: int, device):
+        self.topk_ids = ref["topk_ids"][lo:hi][None].to(device)
+        self.topk_logprobs = ref["topk_logprobs"][lo:hi][None].to(device)
+        self.argmax = ref["topk_ids"][lo:hi, 0].long()[None].to(device)
 
 
 def _boot(values: np.ndarray, weights: np.ndarray, n: int, seed: int) -> np.ndarray:

@@ -89,33 +89,51 @@ class Eval:
         return asdict(self)
 
 
-def _logits(forward: Forward, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one window, ``(seq-1, V)`` (position t predicts token t+1), and their
-    log-normalizer ``(seq-1, 1)``.  Log-probabilities are ``logits − lse``; only the few
-    that are needed are formed (a full ``log_softmax`` would write another V-wide copy)."""
-    logits = forward(ids)[0, :-1].float()
-    return logits, torch.logsumexp(logits, dim=-1, keepdim=True)
+def _window_logits(forward: Forward, windows: torch.Tensor, idx, batch: int, tick):
+    """For each window ``i`` of ``idx`` (contiguous): ``(i, logits, lse)`` with its logits
+    ``(seq-1, V)`` in fp32 (position t predicts token t+1) and their log-normalizer
+    ``(seq-1, 1)``, ``batch`` windows per forward (the last batch may be shorter).
+    Log-probabilities are ``logits − lse``; only the few that are needed are formed (a full
+    ``log_softmax`` would write another V-wide copy).  The logits stay on the model's device."""
+    idx = list(idx)
+    for s in range(0, len(idx), batch):
+        chunk = idx[s : s + batch]
+        logits = forward(windows[chunk[0] : chunk[-1] + 1])[:, :-1].float()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        for j, i in enumerate(chunk):
+            yield i, logits[j], lse[j]
+            tick()
+
+
+def _sharing(workers: int | None, batch: int | None) -> tuple[int | None, int]:
+    """``(workers, windows per forward)``: ``batch=None`` is one window per forward in
+    forked workers (the CPU path); a batch runs here, ``batch`` windows per forward."""
+    if batch is None:
+        return workers, 1
+    if int(batch) < 1:
+        raise ValueError(f"batch must be >= 1 windows, got {batch}")
+    return 1, int(batch)
 
 
 @torch.inference_mode()
 def reference_predictions(
     forward: Forward, windows: torch.Tensor, k: int = DEFAULT_TOPK, *, progress: bool = True,
-    workers: int | None = None,
+    workers: int | None = None, batch: int | None = None,
 ) -> Reference:
     """Run the reference over ``windows`` and keep what evaluation needs (``workers``: see
-    :func:`lowbit.util.parallel.map_shards`)."""
+    :func:`lowbit.util.parallel.map_shards`; ``batch``: windows per forward, in this
+    process, as in :func:`evaluate`).  The reference is kept on the CPU."""
+    workers, per = _sharing(workers, batch)
 
     def shard(idx, tick):
         argmax, nll, ids_, lps = [], [], [], []
-        for i in idx:
-            ids = windows[i : i + 1]
-            logits, lse = _logits(forward, ids)
+        for i, logits, lse in _window_logits(forward, windows, idx, per, tick):
             top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-            argmax.append(logits.argmax(-1))
-            nll.append((lse - logits.gather(-1, ids[0, 1:, None])).squeeze(-1))
-            ids_.append(top.indices.to(torch.int32))
-            lps.append(top.values - lse)
-            tick()
+            target = windows[i, 1:, None].to(logits.device)
+            argmax.append(logits.argmax(-1).cpu())
+            nll.append((lse - logits.gather(-1, target)).squeeze(-1).cpu())
+            ids_.append(top.indices.to(torch.int32).cpu())
+            lps.append((top.values - lse).cpu())
         return argmax, nll, ids_, lps
 
     parts = map_shards(shard, len(windows), workers=workers, description="reference", progress=progress)
@@ -131,10 +149,11 @@ def window_metrics(logits: torch.Tensor, targets: torch.Tensor, ref: Reference |
     """
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    out = {"nll": (lse - logits.gather(-1, targets[:, None])).squeeze(-1)}
+    dev = logits.device
+    out = {"nll": (lse - logits.gather(-1, targets[:, None].to(dev))).squeeze(-1)}
     if ref is not None:
-        rid = ref.topk_ids[w].long()
-        lp_ref = ref.topk_logprobs[w].double()
+        rid = ref.topk_ids[w].long().to(dev)
+        lp_ref = ref.topk_logprobs[w].to(dev).double()
         lq = (logits.gather(-1, rid) - lse).double()
         p = lp_ref.exp()
         kl = (p * (lp_ref - lq)).sum(-1)
@@ -145,7 +164,7 @@ def window_metrics(logits: torch.Tensor, targets: torch.Tensor, ref: Reference |
         real = p_rest > _REST_FLOOR
         rest = torch.where(real, p_rest.clamp(min=1e-300) * (p_rest.clamp(min=1e-300).log() - q_rest.log()), 0.0)
         out["kl"] = (kl + rest).clamp(min=0).float()
-        out["agree"] = (logits.argmax(-1) == ref.argmax[w]).float()
+        out["agree"] = (logits.argmax(-1) == ref.argmax[w].to(dev)).float()
     return out
 
 
@@ -166,6 +185,7 @@ def evaluate(
     progress: bool = True,
     workers: int | None = None,
     mask: torch.Tensor | None = None,
+    batch: int | None = None,
 ) -> Eval:
     """Evaluate ``forward`` on ``windows`` ``(n, seq)``, against ``reference`` if given.
 
@@ -182,26 +202,27 @@ def evaluate(
         mask: ``(n, seq − 1)`` bool, the predicted positions that count (e.g. the assistant's
             tokens, :func:`lowbit.data.windows.assistant_mask_for`); perplexity, KL, top-1 and
             their intervals are then over those positions only. ``None``: all of them.
+        batch: windows per forward, all in this process (``workers`` is then unused) —
+            the GPU path; ``None``: one window per forward, in ``workers`` processes.
+            Results equal the one-window path up to float rounding.
     """
     n = len(windows)
     if reference is not None and reference.nll.shape[0] != n:
         raise ValueError(f"reference covers {reference.nll.shape[0]} windows, evaluation has {n}")
     _check_mask(mask, (n, windows.shape[1] - 1))
     t0 = time.perf_counter()
+    workers, per = _sharing(workers, batch)
 
     def shard(idx, tick):
         rows = []  # per window: NLL sum, tokens, KL sum, agreements, per-token KL
-        for i in idx:
-            ids = windows[i : i + 1]
-            logits, lse = _logits(forward, ids)
-            m = window_metrics(logits, ids[0, 1:], reference, i, lse)
+        for i, logits, lse in _window_logits(forward, windows, idx, per, tick):
+            m = window_metrics(logits, windows[i, 1:], reference, i, lse)
             if mask is not None:
-                m = {k: v[mask[i]] for k, v in m.items()}
+                m = {k: v[mask[i].to(v.device)] for k, v in m.items()}
             kl = m.get("kl")
             rows.append((float(m["nll"].double().sum()), m["nll"].numel(),
                          float(kl.double().sum()) if kl is not None else 0.0,
-                         float(m["agree"].sum()) if kl is not None else 0.0, kl))
-            tick()
+                         float(m["agree"].sum()) if kl is not None else 0.0, kl.cpu() if kl is not None else None))
         return rows
 
     rows = [r for part in map_shards(shard, n, workers=workers, description=f"evaluating {name}".strip(),

@@ -10,7 +10,9 @@ costs a quantization and a full evaluation pass, a cached one a file read.  A ro
 length all show in them; the calibration windows are those of ``--calib-corpus``'s train
 split, so another calibration corpus or mixture is another row).  With ``--loss-on
 assistant`` the mask of counted positions enters the key too.  Rows are JSON files under ``<cache>/rows/``, written atomically.
-Worker count and progress do not enter the key: results equal up to float rounding.
+Worker count, batch size and progress do not enter the key: results equal up to float rounding.
+A device other than the CPU or a dtype other than fp32 does (:func:`lowbit.util.device.setting_key`;
+nothing for the default, so keys computed before devices existed stay valid).
 Any change to lowbit's code gives new keys, so a row computed by other code is never read back.
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from .._version import __version__, source_digest
 from ..quantization.recipe import Recipe
+from ..util.device import setting_key
 from ..util.io import atomic_write_text
 from .workbench import Row, Workbench, _digest, model_fingerprint
 from .metrics import Eval
@@ -40,7 +43,7 @@ def row_path(bench: Workbench, recipe: Recipe) -> Path:
     """Where the row of ``recipe`` on ``bench`` is (or would be) cached."""
     mask = () if bench.loss_mask is None else (bench.loss_mask.to(torch.uint8),)
     key = _digest(__version__, source_digest(), model_fingerprint(bench.info), repr(recipe), bench.windows, bench.calib_windows,
-                  bench.seed, bench.kl_topk, *mask)
+                  bench.seed, bench.kl_topk, *mask, *setting_key(bench.device, bench.dtype))
     return bench.cache / "rows" / f"{bench.info.name}-{recipe.name}-{key}.json".replace("/", "_")
 
 

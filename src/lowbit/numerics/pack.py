@@ -60,7 +60,7 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     if pad:
         raw = torch.nn.functional.pad(raw, (0, pad))
     raw = raw.reshape(rows, -1, k)  # (rows, words, k)
-    shifts = torch.arange(k, dtype=torch.int64) * bits
+    shifts = torch.arange(k, dtype=torch.int64, device=raw.device) * bits
     words = (raw << shifts).sum(dim=-1)  # fields are disjoint: sum == bitwise or
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return (words.t() if dim == 0 else words).contiguous()
@@ -71,7 +71,7 @@ def unpack_int32(words: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch.
     _check_bits(bits)
     w = (words.t() if dim == 0 else words).to(torch.int64) & 0xFFFFFFFF
     k = 32 // bits
-    shifts = torch.arange(k, dtype=torch.int64) * bits
+    shifts = torch.arange(k, dtype=torch.int64, device=w.device) * bits
     raw = (w[..., None] >> shifts) & (2**bits - 1)  # (rows, words, k)
     out = raw.reshape(w.shape[0], -1)[:, :n] - 2 ** (bits - 1)
     out = out.to(torch.int8)

@@ -183,8 +183,8 @@ class Scheme:
             raise NotImplementedError(
                 f"scales_from_range is not defined for ggml type {self.ggml} (signed or two-level scales); "
                 "use compute_qparams or the GGUF-aware MSE / GPTQ observers")
-        lo = torch.minimum(lo.to(torch.float32), torch.zeros((), dtype=torch.float32))
-        hi = torch.maximum(hi.to(torch.float32), torch.zeros((), dtype=torch.float32))
+        lo = torch.minimum(lo.to(torch.float32), torch.zeros((), dtype=torch.float32, device=lo.device))
+        hi = torch.maximum(hi.to(torch.float32), torch.zeros((), dtype=torch.float32, device=hi.device))
         if not self.symmetric:
             scale = self.round_scale((hi - lo) / (fmt.max - fmt.min))
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))

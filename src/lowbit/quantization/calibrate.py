@@ -20,6 +20,7 @@ from torch import nn
 
 from ..models.experts import unfuse_experts
 from .kv import KeyMoments, KVObserver, cache_kwarg, make_cache
+from .runtime import input_device
 from ..util.io import load_tensors, save_tensors
 from ..util.parallel import map_shards
 
@@ -89,7 +90,8 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
                 x2 = x.detach().reshape(-1, x.shape[-1])
                 last[0], last[1] = x, torch.maximum(x2.amax(0), -x2.amin(0)).float()  # (aminmax is ~10× slower)
             a = last[1]
-            into[name] = torch.maximum(into[name], a) if name in into else a
+            # a copy at first: Linears reading one input must not share one tensor (safetensors refuses to save that)
+            into[name] = torch.maximum(into[name], a) if name in into else a.clone()
 
         return hook
 
@@ -104,35 +106,49 @@ def record_input_absmax(model: nn.Module, names: list[str], into: dict[str, torc
 
 
 def collect_stats(model: nn.Module, windows: torch.Tensor, *, progress: bool = True,
-                  workers: int | None = None) -> CalibStats:
+                  workers: int | None = None, batch: int | None = None) -> CalibStats:
     """Run ``model`` over ``windows`` ``(n, seq)`` and record input and K/V absmax
     (every Linear but ``lm_head``, whose input a static scheme then cannot use).
     ``workers``: processes that share the windows (:func:`lowbit.util.parallel.map_shards`);
     their maxima are merged.  Fused MoE experts are first replaced by per-expert Linears
     (:func:`lowbit.models.experts.unfuse_experts`, the same function), so that each expert's
-    input has its own statistics."""
+    input has its own statistics.  ``batch``: windows per forward, in this process (the GPU
+    path; maxima do not depend on it).  The statistics are returned on the CPU."""
     unfuse_experts(model)  # outside inference mode: the new Linears' weights are changed in place later
-    return _collect(model, windows, progress, workers)
+    return _collect(model, windows, progress, workers, batch)
 
 
 @torch.inference_mode()
-def _collect(model: nn.Module, windows: torch.Tensor, progress: bool, workers: int | None) -> CalibStats:
+def _collect(model: nn.Module, windows: torch.Tensor, progress: bool, workers: int | None,
+             batch: int | None = None) -> CalibStats:
     # the decoder alone: statistics need no logits, and lm_head (never quantized by
     # default) is a fifth of a small model's work
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     kw = cache_kwarg(body)
+    if batch is not None and int(batch) < 1:
+        raise ValueError(f"batch must be >= 1 windows, got {batch}")
+    per = 1 if batch is None else int(batch)
+    workers = workers if batch is None else 1
+    dev = input_device(model)
 
     def shard(idx, tick) -> CalibStats:
         stats = CalibStats()
         obs = KVObserver()
+        idx = list(idx)
         with record_input_absmax(model, names, stats.input_absmax):
-            for i in idx:
-                ids = windows[i : i + 1]
-                body(input_ids=ids, use_cache=True, **{kw: make_cache(model.config, obs.on_write)})
+            for s in range(0, len(idx), per):
+                ids = windows[idx[s] : idx[min(s + per, len(idx)) - 1] + 1]
+                body(input_ids=ids if dev is None else ids.to(dev), use_cache=True,
+                     **{kw: make_cache(model.config, obs.on_write)})
                 stats.tokens += ids.numel()
-                tick()
-        stats.k_absmax, stats.v_absmax, stats.k_moments = obs.k_absmax, obs.v_absmax, obs.k_moments
+                for _ in range(len(ids)):
+                    tick()
+        stats.input_absmax = {k: v.cpu() for k, v in stats.input_absmax.items()}
+        stats.k_absmax = {k: v.cpu() for k, v in obs.k_absmax.items()}
+        stats.v_absmax = {k: v.cpu() for k, v in obs.v_absmax.items()}
+        stats.k_moments = {k: KeyMoments(m.sum.cpu(), m.min.cpu(), m.max.cpu(), m.count)
+                           for k, m in obs.k_moments.items()}
         return stats
 
     parts = map_shards(shard, len(windows), workers=workers, description="calibrating", progress=progress)

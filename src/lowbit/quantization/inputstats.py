@@ -37,7 +37,7 @@ class InputStats:
             self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)
         if gram:
             if self.gram_upper is None:
-                self.gram_upper = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32)
+                self.gram_upper = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
             _add_gram(self.gram_upper, x, bf16=bf16_gram)
         elif squares:
             sq = (x * x).sum(0)

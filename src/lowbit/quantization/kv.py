@@ -41,7 +41,7 @@ def quantize_kv(t: torch.Tensor, scheme: Scheme, static_amax: torch.Tensor | Non
         return fake_quantize(tt, replace(scheme, granularity=TOKEN)).transpose(-1, -2)
     if static_amax is None:
         return fake_quantize(t, scheme)
-    amax = static_amax.to(torch.float32).reshape(-1, 1)  # (1, 1) or (heads, 1)
+    amax = static_amax.to(t.device, torch.float32).reshape(-1, 1)  # (1, 1) or (heads, 1)
     scale, zero = scheme.scales_from_range(-amax, amax)
     return fake_quantize(t, scheme, QParams(scale, zero))
 
@@ -95,7 +95,7 @@ class KVPlan:
         if c.keys:
             amax = None if c.scheme.dynamic else self.k_amax[layer]
             if self.k_mean is not None:
-                mu = self.k_mean[layer].to(k.dtype)[None, :, None, :]
+                mu = self.k_mean[layer].to(device=k.device, dtype=k.dtype)[None, :, None, :]
                 k = quantize_kv(k - mu, c.scheme, amax) + mu
             else:
                 k = quantize_kv(k, c.scheme, amax)

@@ -113,7 +113,7 @@ class LayerPass:
             def hook(mod, args):
                 x = args[0]
                 if rot is not None:
-                    x = x @ rot.to(x.dtype)
+                    x = x @ rot.to(x.device, x.dtype)
                 if g not in done:
                     istats.setdefault(g, InputStats()).add(
                         x, absmax=need_absmax, gram=ctx.need_h, squares=squares,

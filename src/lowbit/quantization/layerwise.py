@@ -21,6 +21,7 @@ Only one layer's inputs, activations and statistics are alive at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from ..models.arch import arch_of, decoder_layers, expert_groups
 from ..models.experts import all_tokens_to_every_expert, expert_modules
 from ..models.offload import LayerStore, is_lazy
 from .targets import kv_plan_from, sibling_groups
+from ..util.device import move
 from ..util.progress import staged_progress
 from .methods import RotationConfig
 from .recipe import Recipe
@@ -172,6 +174,7 @@ def quantize_layerwise(
     progress: bool = True,
     store: LayerStore | None = None,
     on_layer: Callable[[int, QuantState], None] | None = None,
+    device: torch.device | str | None = None,
 ):
     """Quantize ``model`` in place with the calibration methods of ``recipe``.
 
@@ -189,6 +192,13 @@ def quantize_layerwise(
             ``store.materialize()`` brings them back.
         on_layer: ``on_layer(i, state)`` when decoder layer ``i`` is done, before it is
             released (see :func:`lowbit.quantization.pipeline.quantize`).
+        device: where each decoder layer runs (e.g. a GPU while the model stays in CPU
+            memory or in ``store``): the calibration activations move there once, each
+            layer is moved there when the loop reaches it and back to where it was when
+            done, so that one decoder layer is on the device at a time; its statistics
+            (Hessians, AWQ samples) are formed there.  What the layer leaves in the state
+            (QTensors, input scales, K/V absmax) is moved back with it.  ``None``: the
+            layers run where they are.
 
     Returns:
         A :class:`~lowbit.quantization.runtime.QuantState`.
@@ -205,6 +215,10 @@ def quantize_layerwise(
     online, rotate = _rotations(model, algo.rotation)
     modules = dict(model.named_modules())
     inputs, layer_kwargs = capture_inputs(model, calibration, algo.batch)
+    if device is not None:
+        device = torch.device(device)
+        inputs = [x.to(device) for x in inputs]
+        layer_kwargs = [move(kw, device) for kw in layer_kwargs]
     if store is not None:
         store.release_outside()  # the embeddings and lm_head are not needed until the end
     layers = decoder_layers(model)
@@ -234,6 +248,7 @@ def quantize_layerwise(
             if store is not None:
                 store.load(i)
             rotate(i)
+            home = onload(layers[i], device)
             if algo.smoothquant is not None or awq_cfg is not None:
                 stage("SmoothQuant scales" if algo.smoothquant is not None else "AWQ scales")
                 t_b = time.perf_counter()
@@ -246,6 +261,8 @@ def quantize_layerwise(
                 inputs, weight_seconds = layer_pass.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
             times["weights"] += weight_seconds
             times["pass"] += time.perf_counter() - t_p - weight_seconds
+            if home is not None:
+                offload(layers[i], home, state, stats, prefix)
             if on_layer is not None:
                 state.kv = kv_plan_from(recipe, stats)  # this layer's K/V scales are known now
                 on_layer(i, state)
@@ -264,6 +281,38 @@ def quantize_layerwise(
 @contextmanager
 def _nothing():
     yield
+
+
+def onload(layer: nn.Module, device: torch.device | None) -> torch.device | None:
+    """Move ``layer`` to ``device`` for its pass; returns where it was (``None``: no move)."""
+    if device is None:
+        return None
+    home = next(layer.parameters()).device
+    if home == device:
+        return None
+    layer.to(device)
+    return home
+
+
+def offload(layer: nn.Module, home: torch.device, state: QuantState, stats: CalibStats, prefix: str) -> None:
+    """Move ``layer`` back to ``home`` with what its pass left in ``state`` and ``stats``
+    (names under ``prefix``; K/V absmax of every layer so far)."""
+    layer.to(home)
+    mine = lambda name: name.startswith(prefix + ".")  # noqa: E731
+    for n, qt in list(state.weights.items()):
+        if mine(n):
+            state.weights[n] = dataclasses.replace(qt, **{f: move(getattr(qt, f), home)
+                                                          for f in ("codes", "scale", "zero", "global_scale")})
+    for n, aq in list(state.activations.items()):
+        if mine(n):
+            qp = aq.qparams
+            state.activations[n] = dataclasses.replace(
+                aq, qparams=None if qp is None else dataclasses.replace(qp, **{f: move(getattr(qp, f), home) for f in
+                                                                              ("scale", "zero", "global_scale")}),
+                global_scale=move(aq.global_scale, home), rotation=move(aq.rotation, home), keep=move(aq.keep, home))
+    for d in (stats.input_absmax, stats.k_absmax, stats.v_absmax):
+        for k, v in list(d.items()):
+            d[k] = v.to(home)
 
 
 def _expert_index(model: nn.Module) -> dict[str, tuple[str, int]]:

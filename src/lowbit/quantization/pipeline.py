@@ -77,6 +77,7 @@ def quantize(
     progress: bool = True,
     store: LayerStore | None = None,
     on_layer: Callable[[int, QuantState], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> QuantState:
     """Quantize ``model`` in place as ``recipe`` says.
 
@@ -99,6 +100,11 @@ def quantize(
             (quantized, still in memory; ``state`` has its QTensors, input and KV scales),
             for every layer in order — e.g.
             :meth:`lowbit.checkpoint.stream.LayerwiseExport.layer_done`.
+        device: the layer-by-layer pass runs each decoder layer there, one at a time,
+            while the model stays where it is (CPU memory, or ``store``'s disk); see
+            :func:`~lowbit.quantization.layerwise.quantize_layerwise`.  Plain rounding
+            rounds each weight where it is (it reads no data and costs one pass over the
+            weights).
 
     Returns:
         The :class:`QuantState` that :func:`~lowbit.quantization.runtime.quantized_execution` runs.
@@ -121,7 +127,7 @@ def quantize(
         if calibration is None:
             raise ValueError(f"recipe {recipe.name!r} uses calibration algorithms; it needs calibration windows")
         return quantize_layerwise(model, recipe, calibration, keep_qtensors=keep_qtensors, progress=progress,
-                                  store=store, on_layer=on_layer)
+                                  store=store, on_layer=on_layer, device=device)
     resolved = None
     if recipe.needs_calibration:
         if callable(stats):

@@ -43,18 +43,27 @@ class ActQuant:
         if x.numel() == 0:  # an expert no token was routed to
             return x
         if self.rotation is not None:
-            x = x @ self.rotation.to(x.dtype)
+            x = x @ self.rotation.to(x.device, x.dtype)
         if self.scheme is None:
             return x
         if self.qparams is not None:
-            y = fake_quantize(x, self.scheme, self.qparams)
+            y = fake_quantize(x, self.scheme, _on(self.qparams, x.device))
         elif self.global_scale is not None:
-            y = fake_quantize(x, self.scheme, compute_qparams(x, self.scheme, self.global_scale))
+            y = fake_quantize(x, self.scheme, compute_qparams(x, self.scheme, self.global_scale.to(x.device)))
         else:
             y = fake_quantize(x, self.scheme)
         if self.keep is not None and self.keep.numel():
             y[..., self.keep] = x[..., self.keep]
         return y
+
+
+def _on(qp: QParams, device: torch.device) -> QParams:
+    """``qp`` on ``device`` (itself when it is there: static scales computed on the CPU
+    follow a model run on a GPU)."""
+    if qp.scale.device == device:
+        return qp
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return QParams(move(qp.scale), move(qp.zero), move(qp.global_scale))
 
 
 @dataclass
@@ -132,11 +141,26 @@ def _pre_hook(aq: ActQuant, last: _LastInput):
     return hook
 
 
+def input_device(model: nn.Module) -> torch.device | None:
+    """Where ``model`` reads its token ids: its input embeddings' device, or ``None`` when
+    accelerate dispatched it over several devices (``hf_device_map``: its hooks move the
+    inputs) or it has no embeddings."""
+    if getattr(model, "hf_device_map", None):
+        return None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    return None if w is None or w.is_meta else w.device
+
+
 def plain_forward(model: nn.Module, kv: KVPlan | None = None) -> Forward:
-    """``forward(input_ids) -> logits`` for a batch of token windows."""
+    """``forward(input_ids) -> logits`` for a batch of token windows; the ids (on the CPU)
+    are moved to the model's input device (:func:`input_device`)."""
     kw = cache_kwarg(model)
+    dev = input_device(model)
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
+        if dev is not None:
+            ids = ids.to(dev)
         if kv is None:
             return model(input_ids=ids, use_cache=False).logits
         cache = make_cache(model.config, kv.on_write)

@@ -46,7 +46,7 @@ def balance(prev: nn.Module, nexts: list[nn.Linear], s: torch.Tensor, *, norm_of
     ``prev`` is an RMSNorm (its scale ``offset + weight`` is divided) or a Linear (its
     output rows, and bias, are divided).
     """
-    s = s.to(torch.float32)
+    s = s.to(prev.weight.device, torch.float32)  # where the layer is
     if _is_norm(prev):
         w = prev.weight.detach().float()
         _assign(prev, "weight", (norm_offset + w) / s - norm_offset)
@@ -135,9 +135,9 @@ def rotate_residual_ends(model: nn.Module, Q: torch.Tensor) -> None:
     why = residual_rotation_supported(model)
     if why:
         raise ValueError(f"residual rotation is not function-preserving here: {why}")
-    Q = Q.to(torch.float32)
-    _fold_final_norm(model, arch_of(model))
     emb = model.get_input_embeddings()
+    Q = Q.to(emb.weight.device, torch.float32)  # where the model is
+    _fold_final_norm(model, arch_of(model))
     _assign(emb, "weight", emb.weight.detach().float() @ Q)
     head = model.get_output_embeddings()
     _assign(head, "weight", head.weight.detach().float() @ Q)
@@ -149,8 +149,8 @@ def rotate_residual_layer(model: nn.Module, i: int, Q: torch.Tensor) -> None:
     norms folded into the linears that read them, readers of the residual rotated on
     their inputs (``W·Q``), writers on their outputs (``Qᵀ·W``)."""
     arch = arch_of(model)
-    Q = Q.to(torch.float32)
     layer = decoder_layers(model)[i]
+    Q = Q.to(next(layer.parameters()).device, torch.float32)  # where the layer is
     _fold_layer_norms(layer, arch)
     for b in arch.balances:
         if _is_norm(_get(layer, b.prev)):
@@ -179,7 +179,7 @@ def rotate_down_input(model: nn.Module, i: int, H: torch.Tensor) -> tuple[str, t
     """:func:`rotate_down_inputs` for decoder layer ``i``: ``(down_proj name, H)``."""
     arch = arch_of(model)
     lin = _get(decoder_layers(model)[i], arch.down)
-    _assign(lin, "weight", lin.weight.detach().float() @ H.to(torch.float32))
+    _assign(lin, "weight", lin.weight.detach().float() @ H.to(lin.weight.device, torch.float32))
     return f"{arch.layers}.{i}.{arch.down}", H
 
 

@@ -111,12 +111,14 @@ def _digest(tensors: dict) -> str:
 
 def write_safetensors(path: Path | str, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file``, with a full disk raised as ``OSError(ENOSPC)`` naming
-    ``path`` (safetensors reports I/O errors as its own exception type)."""
+    ``path`` (safetensors reports I/O errors as its own exception type).  Tensors on a GPU
+    are copied to the CPU first."""
     import errno
 
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    tensors = {k: v if v.device.type == "cpu" else v.cpu() for k, v in tensors.items()}
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as e:
@@ -134,7 +136,7 @@ def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = No
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}  # the checksum reads CPU bytes
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

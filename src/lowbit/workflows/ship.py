@@ -64,6 +64,9 @@ def quantize_to_folder(
     cache: Path | None = None,
     dtype: torch.dtype = DEFAULT_DTYPE,
     progress: bool = True,
+    device: torch.device | str = "cpu",
+    run_dtype: torch.dtype = torch.float32,
+    batch: int | None = None,
 ) -> ExportResult:
     """Load ``model``, quantize it with ``recipe`` (calibrating when the recipe needs data),
     write the compressed-tensors folder ``out`` and, if ``evaluate``, evaluate the written
@@ -73,13 +76,16 @@ def quantize_to_folder(
     The evaluation reads every weight back from the written files through compressed-tensors'
     decompressors; activation and KV quantization run in lowbit's runtime with the scales
     that were written.  Bad recipes and an existing ``out`` are refused before any work.
+    ``device`` / ``run_dtype`` / ``batch``: where the model is loaded, calibrated, quantized
+    and evaluated, in which float type, how many windows per forward
+    (:meth:`lowbit.evaluation.Workbench.load`); ``dtype`` is the checkpoint's.
     """
     out = Path(out)
     r = _checked_recipe(recipe, out, force)
     bench = Workbench.load(model, corpus=corpus, calib_corpus=calib_corpus, loss_on=loss_on if evaluate else "all",
                            windows=windows if evaluate else 1, seq_len=seq_len,
                            calib_windows=calib_windows if needs_data(r) else 0, seed=seed, cache=cache,
-                           progress=progress)
+                           progress=progress, device=device, dtype=run_dtype, batch=batch)
     _refuse_dead_rules(bench.model, r)
     shapes = _linear_shapes(bench.model)
     check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
@@ -92,7 +98,7 @@ def quantize_to_folder(
         written = read_into(copy.deepcopy(bench.model), folder)
         with quantized_execution(written, state) as fwd:
             ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress,
-                          mask=bench.loss_mask)
+                          mask=bench.loss_mask, batch=bench.eval_batch)
         ref = bench.reference_row().eval
         return {"corpus": corpus, "calib_corpus": bench.calib_corpus, "loss_on": loss_on, "reference": ref.to_dict(),
                 "checkpoint": ev.to_dict()}
@@ -114,6 +120,8 @@ def quantize_streaming(
     cache: Path | None = None,
     dtype: torch.dtype = DEFAULT_DTYPE,
     progress: bool = True,
+    device: torch.device | str | None = None,
+    run_dtype: torch.dtype = torch.float32,
 ) -> ExportResult:
     """``lowbit quantize --low-memory``: quantize ``model`` holding one decoder layer in
     memory at a time and write the compressed-tensors folder ``out`` layer by layer.
@@ -123,15 +131,18 @@ def quantize_streaming(
     run in the layer-by-layer pipeline (so static scales come from each layer's inputs as
     the quantized layers before it produce them); plain rounding needs no data.  Nothing is
     evaluated (that needs the whole model: ``lowbit eval OUT --reference MODEL``).
+    ``device``: each decoder layer is moved there for its pass (a GPU, while the model stays
+    on disk and in CPU memory); ``run_dtype``: the float type the model is read in.
     """
     out = Path(out)
     r = _checked_recipe(recipe, out, force)
-    m, tok, info = load_model(model, cache=cache, lazy=True)
+    m, tok, info = load_model(model, cache=cache, lazy=True, dtype=run_dtype)
     _refuse_dead_rules(m, r)
     calib = None
     if needs_data(r):
         bos = tok.bos_token_id if info.needs_bos else None
         calib = data.calibration_for(tok, corpus, calib_windows, seq_len, seed, bos, cache=cache)
     with LayerStore(m, info.path) as store, LayerwiseExport(out, m, r, dtype=dtype, force=force) as ex:
-        state = quantize(m, r, calib, keep_qtensors=True, progress=progress, store=store, on_layer=ex.layer_done)
+        state = quantize(m, r, calib, keep_qtensors=True, progress=progress, store=store, on_layer=ex.layer_done,
+                         device=device)
         return ex.finish(state, store=store, tokenizer=tok, source=info.path, model_name=info.name)

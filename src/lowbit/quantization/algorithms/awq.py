@@ -161,8 +161,9 @@ def _check_inputs(x: torch.Tensor, weights: list[torch.Tensor], what: str) -> to
 def _subsample(x: torch.Tensor, n: int | None, seed: int) -> torch.Tensor:
     if n is None or x.shape[0] <= n:
         return x
-    idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]
-    return x[idx.sort().values]
+    # a seeded CPU generator: the same sample on every device
+    idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]  # device: CPU-generated
+    return x[idx.sort().values.to(x.device)]
 
 
 def _column_groups(m: torch.Tensor, gc: int) -> torch.Tensor:

@@ -124,13 +124,14 @@ def gptq(
     ow = gc * per                                                # columns per observation
 
     def group_columns(o: int) -> torch.Tensor:                   # storage indices of observation o
-        return torch.arange(o * ow, min((o + 1) * ow, cols))
+        return torch.arange(o * ow, min((o + 1) * ow, cols), device=W.device)
 
     qps: list[QParams | None] = [None] * (n_groups // per if t is not None else n_groups)
     if static_groups:                                            # one observer call for every group
-        qps = _split_groups(observe(W, torch.arange(cols), global_scale), len(qps), per)
+        qps = _split_groups(observe(W, torch.arange(cols, device=W.device), global_scale), len(qps), per)
 
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(cols)
+    perm = (torch.argsort(H.diagonal(), descending=True, stable=True) if act_order
+            else torch.arange(cols, device=W.device))
     inv_perm = torch.argsort(perm)
     # columns become rows: every column GPTQ visits is then one contiguous vector
     Wt = W[:, perm].T.contiguous()                               # (in, out), permuted order
@@ -217,7 +218,7 @@ def _upper_cholesky_of_inverse(H: torch.Tensor, damp: float) -> torch.Tensor:
     n = H.shape[0]
     mean_diag = float(H.diagonal().mean())
     lam = damp * mean_diag
-    eye = torch.eye(n, dtype=H.dtype)
+    eye = torch.eye(n, dtype=H.dtype, device=H.device)
     for attempt in range(12):
         Hd = H.flip(0, 1)                                        # J H J
         Hd.diagonal().add_(lam)
@@ -244,7 +245,7 @@ def _current_columns(
     rows of ``W1``; beyond it ``Wt`` still lacks this block's pending update
     ``U[i1:i1+i, p]ᵀ · E1[:i]``.  (``Wt``, ``W1``, ``E1`` hold columns as rows.)"""
     i2 = i1 + W1.shape[0]
-    out = torch.empty(len(positions), Wt.shape[1], dtype=Wt.dtype)  # (width, out)
+    out = torch.empty(len(positions), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)  # (width, out)
     inside = positions < i2
     out[inside] = W1[positions[inside] - i1]
     beyond = positions[~inside]

@@ -55,7 +55,7 @@ def fake_quantize_with_outliers(x: torch.Tensor, scheme: Scheme, keep_cols: torc
     Returns:
         A tensor of ``x``'s shape and dtype.
     """
-    keep = torch.as_tensor(keep_cols, dtype=torch.long).reshape(-1)
+    keep = torch.as_tensor(keep_cols, dtype=torch.long, device=x.device).reshape(-1)
     cols = x.shape[-1]
     if keep.numel() and (keep.min() < 0 or keep.max() >= cols):
         raise ValueError(f"fake_quantize_with_outliers: keep_cols must be in [0, {cols}), got {keep.tolist()[:8]}")
