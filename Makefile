@@ -94,7 +94,7 @@ $(LMEVAL_STAMP):
 	# the CPU build of torch first, as for .venv; then lm-eval with what its HF backend needs
 	$(LMEVAL)/bin/python -m pip install -q torch==2.13.0
 	$(LMEVAL)/bin/python -m pip install -q lm-eval==0.4.13 transformers==5.24.0 tokenizers==0.23.3 accelerate \
-		pyarrow safetensors rich pyyaml
+		pyarrow safetensors rich pyyaml greenlet gguf matplotlib
 	touch $(LMEVAL_STAMP)
 
 lmeval-venv: $(LMEVAL_STAMP)

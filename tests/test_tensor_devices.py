@@ -32,6 +32,13 @@ ALLOWED: dict[tuple[str, str], str] = {
                                                       "the index is moved to the tensor's device",
     ("evaluation/workbench.py", "window_bytes"): "a 0-d tensor read for its element size only",
     ("models/loading.py", "model_bytes"): "a 0-d tensor read for its element size only",
+    ("checkpoint/gguf.py", "rope_row_order"): "a row permutation for the file writer, which works on the CPU",
+    ("data/chat.py", "chat_stream"): "token ids and their mask are built on the CPU, as token_stream's",
+    ("engines/llama_cpp.py", "prepare"): "token ids (CPU) of the text llama.cpp is given",
+    ("numerics/ggml_pack.py", "_k_scales"): "GGUF bytes are packed on the CPU for the file writer",
+    ("numerics/ggml_pack.py", "pack"): "GGUF bytes are packed on the CPU for the file writer",
+    ("planning/scores.py", "fisher_scores"): "per-candidate score sums of one window, read back as CPU floats",
+    ("quantization/calibrate.py", "save"): "a token count written to the statistics file (CPU)",
 }
 
 
