@@ -31,7 +31,7 @@ from ..quantization.pipeline import quantize
 from ..quantization.recipe import Recipe
 from ..quantization.runtime import input_device, quantized_activations
 from ..util.progress import staged_progress
-from .metrics import window_metrics
+from .metrics import _ci, window_metrics
 from .workbench import Workbench
 
 __all__ = ["BUCKET_EDGES", "Bucket", "LongContextRow", "LongContext", "long_context", "buckets_for"]
@@ -108,11 +108,8 @@ def _window_pass(model, ids: torch.Tensor, kv, topk: int, ref: dict | None) -> d
     dev = input_device(model)
     if dev is not None:
         ids = ids.to(dev)
-    kw = {}
-    if kv is not None:
-        kw = {"use_cache": True, cache_kwarg(body): make_cache(model.config, kv.on_write)}
-    else:
-        kw = {"use_cache": False}
+    kw = {"use_cache": False} if kv is None else {"use_cache": True,
+                                                  cache_kwarg(body): make_cache(model.config, kv.on_write)}
     hidden = body(input_ids=ids, **kw).last_hidden_state[0, :-1]
     targets = ids[0, 1:]
     nll, kl, top_ids, top_lp = [], [], [], []
@@ -150,11 +147,6 @@ def _boot(values: np.ndarray, weights: np.ndarray, n: int, seed: int) -> np.ndar
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(values), size=(n, len(values)))
     return values[idx].sum(1) / weights[idx].sum(1)
-
-
-def _ci(x: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.percentile(x, [2.5, 97.5])
-    return float(lo), float(hi)
 
 
 def _buckets(nll: np.ndarray, kl: np.ndarray | None, ref_nll: np.ndarray | None, edges, bootstrap: int,
