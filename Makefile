@@ -61,10 +61,14 @@ test-llamacpp: setup llama-cpp
 	$(BIN)/python -m pytest -q -m llamacpp
 
 
+# the demo runs a quick protocol (8 evaluation windows, 16 calibration windows) so that it fits in
+# 10 minutes on a 2-core CPU; drop the two options for the standard protocol (64 / 128, ~6x longer)
+DEMO_PROTOCOL := --windows 8 --calib-windows 16
+
 demo: setup
 	$(BIN)/lowbit assets fetch smollm2-135m wiki
-	$(BIN)/lowbit compare smollm2-135m
-	$(BIN)/lowbit plan smollm2-135m --gpu h100 --serve-as llama-3.1-8b --report demo-plan --force
+	$(BIN)/lowbit compare smollm2-135m $(DEMO_PROTOCOL)
+	$(BIN)/lowbit plan smollm2-135m --gpu h100 --serve-as llama-3.1-8b $(DEMO_PROTOCOL) --report demo-plan --force
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not vllm"

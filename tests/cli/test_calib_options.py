@@ -40,8 +40,8 @@ def test_quantize_passes_the_calibration_corpus(monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake(model, recipe, out, **kw):
-        seen.update(kw)
+    def fake(model, recipe, out, options, **kw):
+        seen.update(vars(options), **kw)
         raise _Stop
 
     monkeypatch.setattr(wf, "quantize_to_folder", fake)
@@ -50,10 +50,11 @@ def test_quantize_passes_the_calibration_corpus(monkeypatch, tmp_path):
         main(["quantize", "smollm2-135m", "--recipe", "w4a16-gptq-g128", "--out", str(tmp_path / "o"),
               "--calib-corpus", "code", "--loss-on", "assistant"])
     assert seen["calib_corpus"] == "code" and seen["corpus"] == "wiki" and seen["loss_on"] == "assistant"
+    seen.clear()
     with pytest.raises(_Stop):
         main(["quantize", "smollm2-135m", "--recipe", "w4a16-gptq-g128", "--out", str(tmp_path / "o"),
               "--calib-corpus", "code", "--low-memory", "--no-eval"])
-    assert seen["corpus"] == "code"  # the streaming path only calibrates
+    assert seen["calib_corpus"] == "code" and "loss_on" not in seen  # the streaming path only calibrates
 
 
 def test_loss_on_is_checked(tiny_llama, tmp_path, byte_bpe_tokenizer):

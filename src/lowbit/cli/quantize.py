@@ -34,26 +34,23 @@ def _cmd_quantize_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from ..workflows import quantize_streaming, quantize_to_folder
+    from ..workflows import ShipOptions, quantize_streaming, quantize_to_folder
     from .device import device_settings
 
     if args.format == "gguf":
         return _cmd_quantize_gguf(args)
     device, run_dtype = device_settings(args)
+    options = ShipOptions(force=args.force, calib_windows=args.calib_windows, corpus=args.corpus,
+                          calib_corpus=args.calib_corpus, seed=args.seed, cache=args.cache,
+                          device=device, run_dtype=run_dtype)
     if args.low_memory:
         if args.eval:
             raise ValueError("--low-memory does not evaluate (that needs the whole model in memory); pass --no-eval "
                              f"and run `lowbit eval {args.out} --reference {args.model}` afterwards")
-        res = quantize_streaming(args.model, args.recipe, Path(args.out), force=args.force,
-                                 calib_windows=args.calib_windows, corpus=args.calib_corpus or args.corpus, seed=args.seed,
-                                 cache=args.cache, device=device, run_dtype=run_dtype)
+        res = quantize_streaming(args.model, args.recipe, Path(args.out), options)
     else:
-        res = quantize_to_folder(
-            args.model, args.recipe, Path(args.out), force=args.force, calib_windows=args.calib_windows,
-            corpus=args.corpus, calib_corpus=args.calib_corpus, loss_on=args.loss_on, seed=args.seed,
-            evaluate=args.eval, windows=args.windows, cache=args.cache,
-            device=device, run_dtype=run_dtype, batch=args.batch,
-        )
+        res = quantize_to_folder(args.model, args.recipe, Path(args.out), options, evaluate=args.eval,
+                                 windows=args.windows, loss_on=args.loss_on, batch=args.batch)
     s = res.sizes
     print(f"wrote {res.path} ({', '.join(sorted(set(res.formats))) or 'no quantized Linears'})")
     print(f"size on disk: {s.file_bytes / 2**20:.2f} MiB; quantized Linears {s.quantized_bytes / 2**20:.2f} MiB, "

@@ -3,7 +3,7 @@
 ``compare`` and ``plan`` evaluate the same (model, recipe, windows) again and again; a row
 costs a quantization and a full evaluation pass, a cached one a file read.  A row is keyed by
 
-    sha256(lowbit version, digest of lowbit's source, model fingerprint, recipe (its full value),
+    sha256(lowbit version, digest of the source that computes a row, model fingerprint, recipe (its full value),
            evaluation windows, calibration windows, seed, KL top-k[, loss mask])
 
 — the windows' token ids are the data fingerprint (corpus, split, tokenizer and sequence
@@ -13,7 +13,9 @@ assistant`` the mask of counted positions enters the key too.  Rows are JSON fil
 Worker count, batch size and progress do not enter the key: results equal up to float rounding.
 A device other than the CPU or a dtype other than fp32 does (:func:`lowbit.util.device.setting_key`;
 nothing for the default, so keys computed before devices existed stay valid).
-Any change to lowbit's code gives new keys, so a row computed by other code is never read back.
+Any change to the code that computes a row — this module, ``compare`` and every lowbit module they
+import, transitively (:func:`lowbit._version.source_digest`) — gives new keys, so a row computed by other
+code is never read back; a change to the CLI, a report, the planner or the simulator leaves rows valid.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ _TUPLES = ("ppl_ci", "delta_ci", "kl_ci", "top1_ci")
 def row_path(bench: Workbench, recipe: Recipe) -> Path:
     """Where the row of ``recipe`` on ``bench`` is (or would be) cached."""
     mask = () if bench.loss_mask is None else (bench.loss_mask.to(torch.uint8),)
-    key = _digest(__version__, source_digest(), model_fingerprint(bench.info), repr(recipe), bench.windows, bench.calib_windows,
+    key = _digest(__version__, source_digest(__name__, "lowbit.evaluation.compare"), model_fingerprint(bench.info), repr(recipe), bench.windows, bench.calib_windows,
                   bench.seed, bench.kl_topk, *mask, *setting_key(bench.device, bench.dtype))
     return bench.cache / "rows" / f"{bench.info.name}-{recipe.name}-{key}.json".replace("/", "_")
 

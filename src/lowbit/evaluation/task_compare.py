@@ -111,7 +111,7 @@ def _indices(examples: list[Example]) -> str:
 def task_row_path(bench: Workbench, recipe: Recipe, task: str, examples: list[Example], limit: int | None,
                   seed: int) -> Path:
     """Where ``recipe``'s scores on ``task`` (these ``examples``) are, or would be, cached."""
-    key = _digest(__version__, source_digest(), model_fingerprint(bench.info), repr(recipe), bench.calib_windows,
+    key = _digest(__version__, source_digest(__name__), model_fingerprint(bench.info), repr(recipe), bench.calib_windows,
                   bench.seed, SCORER_VERSION, task, limit, seed, _indices(examples))
     return bench.cache / "task-rows" / f"{bench.info.name}-{recipe.name}-{task}-{key}.json".replace("/", "_")
 

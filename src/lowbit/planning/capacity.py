@@ -123,7 +123,7 @@ class Capacity:
 
 
 def _key(*parts) -> str:
-    text = json.dumps([__version__, source_digest(), *parts], sort_keys=True, default=str)
+    text = json.dumps([__version__, source_digest(__name__), *parts], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

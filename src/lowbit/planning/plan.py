@@ -23,6 +23,7 @@ from ..sim.capacity import Curve
 from ..sim.engine import EngineConfig
 from ..sim.hardware import GPU, Kernels, load_hardware
 from ..sim.shapes import ModelShape, get_model, shape_from_config
+from ..util.parallel import map_shards
 from ..util.progress import staged_progress
 from .candidates import Candidate
 from .capacity import Capacity, Load, capacity_for, curve_for
@@ -171,6 +172,23 @@ def _task_rows(bench: Workbench, candidates: list[Candidate], tasks: list[str] |
     return [by_label["reference" if c.recipe is None else c.name] for c in candidates], cmp
 
 
+def _in_workers(items: list, fn, description: str, progress: bool, workers: int | None) -> list:
+    """``[fn(x) for x in items]``, the items shared among forked workers: each simulation is
+    single-threaded Python, independent of the others, and writes its own cache file."""
+    if not items:
+        return []
+
+    def shard(indices, tick) -> list:
+        out = []
+        for i in indices:
+            out.append(fn(items[i]))
+            tick()
+        return out
+
+    parts = map_shards(shard, len(items), workers=workers, description=description, progress=progress)
+    return [x for part in parts for x in part]
+
+
 def _curve_rates(caps: list[Capacity], points: int) -> tuple[float, ...]:
     top = max((c.max_rate.high for c in caps if c.max_rate is not None), default=0.0)
     return tuple(float(x) for x in np.linspace(0.1, 1.2, points) * top) if top > 0 else ()
@@ -212,11 +230,9 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
         task_setup = {"tasks": list(cmp.tasks), "limit": cmp.limit, "examples": dict(cmp.examples)}
         secs["tasks"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    caps = []
-    for c, stage in staged_progress(candidates, "simulating", enabled=progress):
-        stage(c.name)
-        caps.append(capacity_for(c.name, c.plan, target.shape, target.gpu, target.kernels, target.engine, load,
-                                 bench.cache))
+    caps = _in_workers(candidates, lambda c: capacity_for(c.name, c.plan, target.shape, target.gpu, target.kernels,
+                                                          target.engine, load, bench.cache),
+                       "simulating", progress, bench.workers)
     secs["simulation"] = time.perf_counter() - t0
     if budget.metric == "task":
         loss = [t.headline_drop() for t in task_rows]
@@ -237,12 +253,10 @@ def plan(bench: Workbench, candidates: list[Candidate], target: Target, load: Lo
     if curves:
         t0 = time.perf_counter()
         rates = _curve_rates(caps, curves)
-        fitting = [(c, cap) for c, cap in zip(candidates, caps) if cap.fits]
-        for (c, cap), stage in staged_progress(fitting, "latency curves", enabled=progress):
-            stage(c.name)
-            if rates:
-                curve_list.append(curve_for(c.name, c.plan, target.shape, target.gpu, target.kernels, target.engine,
-                                            load, rates, bench.cache))
+        fitting = [c for c, cap in zip(candidates, caps) if cap.fits] if rates else []
+        curve_list = _in_workers(fitting, lambda c: curve_for(c.name, c.plan, target.shape, target.gpu, target.kernels,
+                                                              target.engine, load, rates, bench.cache),
+                                 "latency curves", progress, bench.workers)
         secs["latency curves"] = time.perf_counter() - t0
     served_note = ""
     if target.served is not None:

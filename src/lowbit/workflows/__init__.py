@@ -5,6 +5,6 @@ Owns nothing numeric: each job hands data from one stage's entry point to the ne
 ``evaluation.evaluate``).  May import every stage below it; the CLI and ``lowbit`` import it.
 """
 
-from .ship import quantize_streaming, quantize_to_folder
+from .ship import ShipOptions, quantize_streaming, quantize_to_folder
 
-__all__ = ["quantize_to_folder", "quantize_streaming"]
+__all__ = ["ShipOptions", "quantize_to_folder", "quantize_streaming"]

@@ -11,6 +11,7 @@ Two jobs, one per memory regime:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from ..quantization.recipe import Recipe, load_recipe
 from ..quantization.runtime import quantized_execution
 from ..quantization.targets import sibling_groups
 
-__all__ = ["quantize_to_folder", "quantize_streaming"]
+__all__ = ["ShipOptions", "quantize_to_folder", "quantize_streaming"]
 
 
 def _checked_recipe(recipe: str, out: Path, force: bool) -> Recipe:
@@ -47,82 +48,86 @@ def _refuse_dead_rules(model, recipe: Recipe) -> None:
         raise ValueError(msg)
 
 
-def quantize_to_folder(
-    model: str,
-    recipe: str,
-    out: Path,
-    *,
-    force: bool = False,
-    calib_windows: int = 128,
-    corpus: str = "wiki",
-    calib_corpus: str | None = None,
-    loss_on: str = "all",
-    seed: int = 0,
-    evaluate: bool = True,
-    windows: int = 64,
-    seq_len: int = 512,
-    cache: Path | None = None,
-    dtype: torch.dtype = DEFAULT_DTYPE,
-    progress: bool = True,
-    device: torch.device | str = "cpu",
-    run_dtype: torch.dtype = torch.float32,
-    batch: int | None = None,
-) -> ExportResult:
+@dataclass(frozen=True)
+class ShipOptions:
+    """What both jobs take besides the model, the recipe and the output folder.
+
+    ``calib_windows`` windows of ``seq_len`` tokens from the train split of ``calib_corpus``
+    (default ``corpus``; a mixture ``a+b`` takes equal parts), drawn with ``seed``;
+    ``dtype``: the checkpoint's float type; ``device`` / ``run_dtype``: where and in which
+    float type the model is calibrated and quantized (``None``: the job's default);
+    ``force``: overwrite an existing output folder.
+    """
+
+    force: bool = False
+    calib_windows: int = 128
+    corpus: str = "wiki"
+    calib_corpus: str | None = None
+    seed: int = 0
+    seq_len: int = 512
+    cache: Path | None = None
+    dtype: torch.dtype = DEFAULT_DTYPE
+    progress: bool = True
+    device: torch.device | str | None = None
+    run_dtype: torch.dtype = torch.float32
+
+    @property
+    def calibration_corpus(self) -> str:
+        return self.calib_corpus or self.corpus
+
+
+def _options(options: ShipOptions | None, overrides: dict) -> ShipOptions:
+    unknown = sorted(set(overrides) - {f.name for f in fields(ShipOptions)})
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; ShipOptions has "
+                        f"{', '.join(f.name for f in fields(ShipOptions))}")
+    return replace(options or ShipOptions(), **overrides)
+
+
+def quantize_to_folder(model: str, recipe: str, out: Path, options: ShipOptions | None = None, *,
+                       evaluate: bool = True, windows: int = 64, loss_on: str = "all", batch: int | None = None,
+                       **overrides) -> ExportResult:
     """Load ``model``, quantize it with ``recipe`` (calibrating when the recipe needs data),
     write the compressed-tensors folder ``out`` and, if ``evaluate``, evaluate the written
-    checkpoint against the unquantized model (on ``corpus``; calibration data comes from
-    ``calib_corpus``, default ``corpus``; ``loss_on``: see :meth:`Workbench.load`).
+    checkpoint against the unquantized model on ``windows`` windows of ``options.corpus``
+    (``loss_on``: see :meth:`Workbench.load`; ``batch``: windows per forward).
 
-    The evaluation reads every weight back from the written files through compressed-tensors'
-    decompressors; activation and KV quantization run in lowbit's runtime with the scales
-    that were written.  Bad recipes and an existing ``out`` are refused before any work.
-    ``device`` / ``run_dtype`` / ``batch``: where the model is loaded, calibrated, quantized
-    and evaluated, in which float type, how many windows per forward
-    (:meth:`lowbit.evaluation.Workbench.load`); ``dtype`` is the checkpoint's.
+    ``options`` (or its fields as keywords, which override it): :class:`ShipOptions`; the
+    model runs on ``options.device`` (default the CPU).  The evaluation reads every weight
+    back from the written files through compressed-tensors' decompressors; activation and KV
+    quantization run in lowbit's runtime with the scales that were written.  Bad recipes and
+    an existing ``out`` are refused before any work.
     """
+    o = _options(options, overrides)
     out = Path(out)
-    r = _checked_recipe(recipe, out, force)
-    bench = Workbench.load(model, corpus=corpus, calib_corpus=calib_corpus, loss_on=loss_on if evaluate else "all",
-                           windows=windows if evaluate else 1, seq_len=seq_len,
-                           calib_windows=calib_windows if needs_data(r) else 0, seed=seed, cache=cache,
-                           progress=progress, device=device, dtype=run_dtype, batch=batch)
+    r = _checked_recipe(recipe, out, o.force)
+    bench = Workbench.load(model, corpus=o.corpus, calib_corpus=o.calib_corpus, loss_on=loss_on if evaluate else "all",
+                           windows=windows if evaluate else 1, seq_len=o.seq_len,
+                           calib_windows=o.calib_windows if needs_data(r) else 0, seed=o.seed, cache=o.cache,
+                           progress=o.progress, device=o.device or "cpu", dtype=o.run_dtype, batch=batch)
     _refuse_dead_rules(bench.model, r)
     shapes = _linear_shapes(bench.model)
     check_shapes(shapes, r.resolve(list(shapes)), sibling_groups(bench.model))
     if evaluate:
         bench.reference  # from the unquantized model, before it is quantized in place
     state = quantize(bench.model, r, bench.calibration, stats=lambda: bench.stats, keep_qtensors=True,
-                     progress=progress)
+                     progress=o.progress)
 
     def _evaluate(folder: Path) -> dict:
         written = read_into(copy.deepcopy(bench.model), folder)
         with quantized_execution(written, state) as fwd:
-            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=seed, progress=progress,
+            ev = run_eval(fwd, bench.windows, bench.reference, name=r.name, seed=o.seed, progress=o.progress,
                           mask=bench.loss_mask, batch=bench.eval_batch)
         ref = bench.reference_row().eval
-        return {"corpus": corpus, "calib_corpus": bench.calib_corpus, "loss_on": loss_on, "reference": ref.to_dict(),
+        return {"corpus": o.corpus, "calib_corpus": bench.calib_corpus, "loss_on": loss_on, "reference": ref.to_dict(),
                 "checkpoint": ev.to_dict()}
 
-    return export(bench.model, state, out, tokenizer=bench.tokenizer, source=bench.info.path, dtype=dtype,
-                  force=force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
+    return export(bench.model, state, out, tokenizer=bench.tokenizer, source=bench.info.path, dtype=o.dtype,
+                  force=o.force, model_name=bench.info.name, evaluate=_evaluate if evaluate else None)
 
 
-def quantize_streaming(
-    model: str,
-    recipe: str,
-    out: Path,
-    *,
-    force: bool = False,
-    calib_windows: int = 128,
-    corpus: str = "wiki",
-    seed: int = 0,
-    seq_len: int = 512,
-    cache: Path | None = None,
-    dtype: torch.dtype = DEFAULT_DTYPE,
-    progress: bool = True,
-    device: torch.device | str | None = None,
-    run_dtype: torch.dtype = torch.float32,
-) -> ExportResult:
+def quantize_streaming(model: str, recipe: str, out: Path, options: ShipOptions | None = None,
+                       **overrides) -> ExportResult:
     """``lowbit quantize --low-memory``: quantize ``model`` holding one decoder layer in
     memory at a time and write the compressed-tensors folder ``out`` layer by layer.
 
@@ -131,18 +136,20 @@ def quantize_streaming(
     run in the layer-by-layer pipeline (so static scales come from each layer's inputs as
     the quantized layers before it produce them); plain rounding needs no data.  Nothing is
     evaluated (that needs the whole model: ``lowbit eval OUT --reference MODEL``).
-    ``device``: each decoder layer is moved there for its pass (a GPU, while the model stays
-    on disk and in CPU memory); ``run_dtype``: the float type the model is read in.
+    ``options`` (or its fields as keywords): :class:`ShipOptions`; ``options.device``: each
+    decoder layer is moved there for its pass (a GPU, while the model stays on disk and in CPU
+    memory); ``options.run_dtype``: the float type the model is read in.
     """
+    o = _options(options, overrides)
     out = Path(out)
-    r = _checked_recipe(recipe, out, force)
-    m, tok, info = load_model(model, cache=cache, lazy=True, dtype=run_dtype)
+    r = _checked_recipe(recipe, out, o.force)
+    m, tok, info = load_model(model, cache=o.cache, lazy=True, dtype=o.run_dtype)
     _refuse_dead_rules(m, r)
     calib = None
     if needs_data(r):
         bos = tok.bos_token_id if info.needs_bos else None
-        calib = data.calibration_for(tok, corpus, calib_windows, seq_len, seed, bos, cache=cache)
-    with LayerStore(m, info.path) as store, LayerwiseExport(out, m, r, dtype=dtype, force=force) as ex:
-        state = quantize(m, r, calib, keep_qtensors=True, progress=progress, store=store, on_layer=ex.layer_done,
-                         device=device)
+        calib = data.calibration_for(tok, o.calibration_corpus, o.calib_windows, o.seq_len, o.seed, bos, cache=o.cache)
+    with LayerStore(m, info.path) as store, LayerwiseExport(out, m, r, dtype=o.dtype, force=o.force) as ex:
+        state = quantize(m, r, calib, keep_qtensors=True, progress=o.progress, store=store, on_layer=ex.layer_done,
+                         device=o.device)
         return ex.finish(state, store=store, tokenizer=tok, source=info.path, model_name=info.name)
