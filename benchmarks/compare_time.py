@@ -5,6 +5,8 @@ normal cache, so the reference predictions and the calibration statistics are co
 as on a first run, but nothing is downloaded or converted.  Memory is the proportional set
 size (PSS) summed over the `lowbit` process and its forked workers, sampled every second:
 PSS counts pages the workers share with their parent once, which a sum of RSS would not.
+CPU time (user + system of the process and its workers) and the load average are printed
+beside the wall time: on a shared machine the wall time alone says little.
 
     .venv/bin/python benchmarks/compare_time.py                # the default job
     .venv/bin/python benchmarks/compare_time.py -- --windows 8 --recipes fp8-dynamic
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,17 +75,23 @@ def main() -> int:
         cmd = [str(lowbit), "compare", a.model, "--cache", str(cold), "--json", str(out), *a.extra]
         print("running:", " ".join(cmd), flush=True)
         t0 = time.perf_counter()
+        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        load0 = os.getloadavg()[0]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         peak = 0
         while proc.poll() is None:
             peak = max(peak, sum(_pss_kib(p) for p in _tree(proc.pid)))
             time.sleep(1.0)
         wall = time.perf_counter() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        load1 = os.getloadavg()[0]
         if proc.returncode:
             print(f"lowbit compare failed (exit {proc.returncode})", file=sys.stderr)
             return proc.returncode
         stages = json.loads(out.read_text())["stage_seconds"]
-    print(f"{a.model}: wall {wall:.0f} s ({wall / 60:.1f} min), peak PSS {peak / 2**20:.2f} GiB")
+    print(f"{a.model}: wall {wall:.0f} s ({wall / 60:.1f} min), CPU {cpu:.0f} s (process and workers), "
+          f"peak PSS {peak / 2**20:.2f} GiB; load average {load0:.1f} at the start, {load1:.1f} at the end")
     for k, v in stages.items():
         print(f"  {k:<28} {v:7.1f} s")
     return 0

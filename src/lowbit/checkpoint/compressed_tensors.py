@@ -183,6 +183,9 @@ def kv_args(kv: KVConfig) -> dict:
     if kv.center_keys:
         raise _refuse("a KV cache with centered keys (center_keys)", "no serving engine subtracts a per-channel key "
                       "mean at the cache write", "kv-fp8")
+    if kv.residual:
+        raise _refuse(f"a KV cache with a full-precision window of {kv.residual} tokens (residual)",
+                      "vLLM's cache quantizes every token it stores", "kv-fp8")
     if kv.value_scheme not in (None, s) or not (kv.keys and kv.values):
         raise _refuse("a KV cache with keys and values treated differently", "vLLM's FP8 cache quantizes both "
                       "keys and values with one format", "kv-fp8")

@@ -11,7 +11,7 @@ import argparse
 __all__ = ["register", "cmd_long_context", "DEFAULT_RECIPES"]
 
 #: FP8 per tensor and per head, KIVI-style INT4 and INT2
-DEFAULT_RECIPES = "kv-fp8,kv-fp8-head,kv-int4-kivi,kv-int2-kivi"
+DEFAULT_RECIPES = "kv-fp8,kv-fp8-head,kv-int4-kivi,kv-int4-kivi-r128,kv-int2-kivi,kv-int2-kivi-r128"
 
 
 def cmd_long_context(args: argparse.Namespace) -> int:

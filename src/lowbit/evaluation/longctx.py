@@ -12,8 +12,9 @@ over windows.
 Logits are formed a chunk of positions at a time from the decoder's last hidden state, so an
 8k window of a 262k-vocabulary model never holds its whole logit matrix.  Per-channel key
 scales (KIVI's key layout) are computed over the whole window, as one prefill of that length
-computes them; KIVI's full-precision window of recent tokens is not modelled (every read sees
-the quantized cache).
+computes them — or, for recipes with a full-precision window (``KVConfig.residual``, the
+``-r128`` presets), over each group of that many tokens, the window then running as a prefill
+in chunks of one group (:func:`lowbit.quantization.kv.kv_forward`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from ..data import windows as data
-from ..quantization.kv import cache_kwarg, make_cache
+from ..quantization.kv import kv_forward
 from ..quantization.pipeline import quantize
 from ..quantization.recipe import Recipe
 from ..quantization.runtime import input_device, quantized_activations
@@ -108,9 +109,8 @@ def _window_pass(model, ids: torch.Tensor, kv, topk: int, ref: dict | None) -> d
     dev = input_device(model)
     if dev is not None:
         ids = ids.to(dev)
-    kw = {"use_cache": False} if kv is None else {"use_cache": True,
-                                                  cache_kwarg(body): make_cache(model.config, kv.on_write)}
-    hidden = body(input_ids=ids, **kw).last_hidden_state[0, :-1]
+    hidden = (body(input_ids=ids, use_cache=False).last_hidden_state if kv is None
+              else kv_forward(body, ids, kv, model.config, "last_hidden_state"))[0, :-1]
     targets = ids[0, 1:]
     nll, kl, top_ids, top_lp = [], [], [], []
     for s in range(0, hidden.shape[0], _CHUNK):

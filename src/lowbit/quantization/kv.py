@@ -20,10 +20,10 @@ import torch
 
 from ..numerics.granularity import TOKEN
 from ..numerics.qtensor import QParams, fake_quantize
-from .recipe import KVConfig
+from .kvconfig import KVConfig
 from ..numerics.scheme import Scheme
 
-__all__ = ["KVPlan", "KeyMoments", "kv_plan", "make_cache", "cache_kwarg", "quantize_kv", "KVObserver"]
+__all__ = ["KVPlan", "KeyMoments", "kv_plan", "make_cache", "cache_kwarg", "quantize_kv", "KVObserver", "kv_forward"]
 
 OnWrite = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -146,21 +146,29 @@ class KVObserver:
         return k, v
 
 
-def make_cache(config, on_write: OnWrite, *, store: bool = True):
+def make_cache(config, on_write: OnWrite, *, store: bool = True, fresh_exact: bool = False):
     """A transformers ``DynamicCache`` (laid out from ``config``: sliding-window layers
     included) that passes every write through ``on_write(layer, k, v)``.
 
     With ``store=False`` nothing is kept: each write returns what ``on_write`` gave, as
     the forward without a cache would use it — for one-shot passes that only observe
-    keys and values, which would otherwise hold every chunk's K and V until it ends."""
+    keys and values, which would otherwise hold every chunk's K and V until it ends.
+    With ``fresh_exact`` the cache stores what ``on_write`` gave, but attention reads the
+    tokens of the current write as they came (KIVI's full-precision group, see
+    :attr:`KVConfig.residual`) and the stored ones before them."""
     from transformers import DynamicCache
 
     class _WriteHookCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            key_states, value_states = on_write(layer_idx, key_states, value_states)
+            k, v = on_write(layer_idx, key_states, value_states)
             if not store:
-                return key_states, value_states
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+                return k, v
+            k_all, v_all = super().update(k, v, layer_idx, *args, **kwargs)
+            if not fresh_exact:
+                return k_all, v_all
+            n = key_states.shape[-2]  # the returned states end with this write's tokens
+            return (torch.cat([k_all[..., :-n, :], key_states], dim=-2),
+                    torch.cat([v_all[..., :-n, :], value_states], dim=-2))
 
     try:
         return _WriteHookCache(config=config)
@@ -173,3 +181,17 @@ def cache_kwarg(model) -> str:
     5.x, ``past_key_values`` before)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def kv_forward(module, ids: torch.Tensor, kv: KVPlan, config, output: str = "logits") -> torch.Tensor:
+    """``module``'s ``output`` (``logits`` of a causal LM, ``last_hidden_state`` of its decoder)
+    for ``ids`` with ``kv`` applied at every cache write.  With ``kv.config.residual`` the
+    window runs as a prefill in chunks of that many tokens through one cache, so that each
+    chunk reads its own tokens exactly and the earlier chunks quantized."""
+    r = kv.config.residual
+    cache = make_cache(config, kv.on_write, fresh_exact=r > 0)
+    kw = {cache_kwarg(module): cache, "use_cache": True}
+    if not r:
+        return getattr(module(input_ids=ids, **kw), output)
+    return torch.cat([getattr(module(input_ids=ids[:, s:s + r], **kw), output)
+                      for s in range(0, ids.shape[1], r)], dim=1)

@@ -30,6 +30,7 @@ import yaml
 
 from ..numerics.scheme import Scheme, scheme_from_dict
 from ..util.validate import check_keys, from_mapping
+from .kvconfig import KVConfig
 from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConfig, SmoothQuantConfig
 
 __all__ = ["Rule", "KVConfig", "Recipe", "Algorithms", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
@@ -49,50 +50,6 @@ class Rule:
 
     def matches(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, t) for t in self.targets)
-
-
-@dataclass(frozen=True)
-class KVConfig:
-    """KV-cache quantization at the cache write (keys after RoPE and QK-norm).
-
-    ``scheme.granularity``: ``tensor`` (one scale per layer), ``head`` (per KV head),
-    ``token`` (per head and token, over the head dim) or ``channel`` (per head and
-    channel, over the tokens — KIVI's key layout).  Static schemes (``dynamic: false``)
-    take their scales from calibration; only ``tensor`` and ``head`` can be static.
-
-    ``center_keys``: subtract a calibrated per-channel mean of the keys (per head and channel,
-    after RoPE) before quantizing, and add it back after.  Exact for attention — a vector
-    added to every key shifts all of one query's scores by the same amount, which softmax
-    ignores — so only the quantization error changes: it scales with what a channel varies
-    by across tokens instead of with its constant offset.  No serving engine applies it at
-    the cache write (a k_proj bias cannot carry it: RoPE rotates the bias by position), so it
-    is for measurement; the exporter refuses it.
-    """
-
-    scheme: Scheme
-    keys: bool = True
-    values: bool = True
-    value_scheme: Scheme | None = None  # a different scheme for values (KIVI: per-token values)
-    center_keys: bool = False
-
-    def __post_init__(self) -> None:
-        if not (self.keys or self.values):
-            raise ValueError("at least one of keys / values must be quantized")
-        if self.center_keys and not self.keys:
-            raise ValueError("center_keys: needs keys: true (it centers the keys before quantizing them)")
-        for s in (self.scheme, self.value_scheme):
-            if s is None:
-                continue
-            if s.granularity.kind not in ("tensor", "head", "token", "channel"):
-                raise ValueError(f"granularity {s.granularity} is not one of tensor, head, token, channel")
-            if not s.dynamic and s.granularity.kind not in ("tensor", "head"):
-                raise ValueError(f"a static (calibrated) scale needs tensor or head granularity, got {s.granularity}")
-            if s.global_scale:
-                raise ValueError("two-level (global-scale) schemes are not supported for the KV cache")
-
-    @property
-    def v_scheme(self) -> Scheme:
-        return self.value_scheme or self.scheme
 
 
 @dataclass(frozen=True)
@@ -226,7 +183,8 @@ class Recipe:
         if self.kv_cache:
             kv = self.kv_cache
             which = "K+V" if kv.keys and kv.values else ("K" if kv.keys else "V")
-            parts.append(f"KV {which}[{kv.scheme}]" + (" keys centered" if kv.center_keys else ""))
+            parts.append(f"KV {which}[{kv.scheme}]" + (" keys centered" if kv.center_keys else "")
+                         + (f" current group of {kv.residual} tokens exact" if kv.residual else ""))
         return "; ".join(parts) or "(nothing quantized)"
 
 
@@ -364,6 +322,13 @@ RECIPES: dict[str, Recipe] = {
                                "scale_dtype": "fp16"},
                     "value_scheme": {"format": "uint2", "granularity": "token", "symmetric": False, "dynamic": True,
                                      "scale_dtype": "fp16"}}),
+        *(_preset(f"kv-int{b}-kivi-r128", f"KV cache INT{b} asymmetric, keys per channel in groups of 128 tokens, "
+                  "values per token, the last (incomplete) group of 128 in full precision (KIVI)",
+                  kv={"scheme": {"format": f"uint{b}", "granularity": "channel", "symmetric": False, "dynamic": True,
+                                 "scale_dtype": "fp16"},
+                      "value_scheme": {"format": f"uint{b}", "granularity": "token", "symmetric": False,
+                                       "dynamic": True, "scale_dtype": "fp16"}, "residual": 128})
+          for b in (4, 2)),
     )
 }
 

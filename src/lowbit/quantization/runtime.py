@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .kv import KVPlan, cache_kwarg, make_cache
+from .kv import KVPlan, kv_forward
 from ..numerics.qtensor import QParams, QTensor, compute_qparams, fake_quantize
 from .recipe import Recipe
 from ..numerics.scheme import Scheme
@@ -155,7 +155,6 @@ def input_device(model: nn.Module) -> torch.device | None:
 def plain_forward(model: nn.Module, kv: KVPlan | None = None) -> Forward:
     """``forward(input_ids) -> logits`` for a batch of token windows; the ids (on the CPU)
     are moved to the model's input device (:func:`input_device`)."""
-    kw = cache_kwarg(model)
     dev = input_device(model)
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
@@ -163,8 +162,7 @@ def plain_forward(model: nn.Module, kv: KVPlan | None = None) -> Forward:
             ids = ids.to(dev)
         if kv is None:
             return model(input_ids=ids, use_cache=False).logits
-        cache = make_cache(model.config, kv.on_write)
-        return model(input_ids=ids, use_cache=True, **{kw: cache}).logits
+        return kv_forward(model, ids, kv, model.config)
 
     return forward
 
