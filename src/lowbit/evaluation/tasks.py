@@ -34,9 +34,16 @@ from ..quantization.kv import cache_kwarg, make_cache
 from ..quantization.runtime import QuantState, input_device, quantized_execution
 from ..util.progress import progress_bar
 
-__all__ = ["Encoded", "ExampleScore", "TaskResult", "encode_example", "score_examples", "prefix_exact"]
+__all__ = ["Encoded", "ExampleScore", "TaskResult", "encode_example", "score_examples", "prefix_exact", "outcome"]
 
-_TOKEN_LOCAL = ("token", "channel", "group")  # a (tokens, features) input: one scale per row / row group
+_TOKEN_LOCAL = ("token", "channel", "group")
+_GENERATED = ("strict-match", "flexible-extract")  # a generative task's two answer filters (lm-eval's names)
+
+
+def outcome(kind: str, metric: str) -> str:
+    """What :meth:`ExampleScore.correct` reads for a task of ``kind`` reporting ``metric``:
+    LAMBADA's ``acc`` is whether the word is the greedy continuation."""
+    return "greedy" if kind == "last_word" and metric == "acc" else metric  # a (tokens, features) input: one scale per row / row group
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class ExampleScore:
     tokens: tuple[int, ...]
     lengths: tuple[int, ...]
     subject: str = ""
+    output: str = ""  # a generative task's generated text (``greedy``: strict, flexible answer correct)
 
     @property
     def pred(self) -> int:
@@ -77,6 +85,8 @@ class ExampleScore:
             return self.pred_norm == self.gold
         if metric == "greedy":
             return self.greedy[self.gold]
+        if metric in _GENERATED:
+            return self.greedy[_GENERATED.index(metric)]
         raise ValueError(f"unknown metric {metric!r}")
 
     def to_dict(self) -> dict:
@@ -85,7 +95,7 @@ class ExampleScore:
     @classmethod
     def from_dict(cls, d: dict) -> "ExampleScore":
         return cls(d["index"], d["gold"], tuple(d["loglik"]), tuple(d["greedy"]), tuple(d["tokens"]),
-                   tuple(d["lengths"]), d.get("subject", ""))
+                   tuple(d["lengths"]), d.get("subject", ""), d.get("output", ""))
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,7 @@ class TaskResult:
         LAMBADA's ``perplexity`` = exp(−mean over examples of the word's log-likelihood)."""
         if metric == "perplexity":
             return math.exp(-sum(e.loglik[0] for e in self.examples) / len(self.examples))
-        m = "greedy" if self.kind == "last_word" and metric == "acc" else metric
-        return sum(e.correct(m) for e in self.examples) / len(self.examples)
+        return sum(e.correct(outcome(self.kind, metric)) for e in self.examples) / len(self.examples)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from ..data.tasks import TASKS
 from ..evaluation.paired import accuracy_ci
+from ..evaluation.tasks import outcome
 from .tables import num
 
 __all__ = ["tasks_table"]
@@ -25,7 +26,8 @@ def tasks_table(comparison) -> Table:
     the reference with its paired bootstrap interval, flips, McNemar's exact p and the mean KL of
     the choice distribution (LAMBADA: perplexity of the last word instead of KL)."""
     limit = f", first {comparison.limit} rows" if comparison.limit else ""
-    t = Table(title=f"Benchmarks on {comparison.model} (lm-eval 0.4.13 formats, 0-shot{limit}; accuracy in %)",
+    t = Table(title=f"Benchmarks on {comparison.model} (lm-eval 0.4.13 formats, 0-shot; GSM8K 8-shot "
+              f"chain of thought, greedy{limit}; accuracy in %)",
               title_justify="left")
     for col in ("task (n)", "metric", "config", "acc [95% CI]", "Δ [95% CI]", "r→w / w→r", "flipped", "McNemar p",
                 "choice KL / ppl"):
@@ -36,7 +38,7 @@ def tasks_table(comparison) -> Table:
         for metric in (m for m in TASKS[task].metrics if m != "perplexity"):
             ppl = "perplexity" in TASKS[task].metrics
             r = ref.results[task]
-            m = "greedy" if r.kind == "last_word" else metric
+            m = outcome(r.kind, metric)
             ref_ci = accuracy_ci([e.correct(m) for e in r.examples], seed=comparison.seed)
             t.add_row(label, metric, "reference", f"{_pct(r.metric(metric))} {_ci(ref_ci)}",
                       "", "", "", "", num(r.metric("perplexity")) if ppl else "")
