@@ -3,14 +3,14 @@
 import torch
 
 
-def tiny_llama():
+def tiny_llama(vocab_size: int = 256, max_positions: int = 128):
     """A 2-layer Llama, hidden 64, GQA 4/2 heads, tied embeddings."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(cfg).eval()

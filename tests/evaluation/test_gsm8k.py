@@ -29,13 +29,9 @@ def tokenizer(byte_bpe_tokenizer):
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A tiny Llama with the tokenizer's vocabulary (300)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tinymodels import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(vocab_size=300, max_positions=256)
 
 
 @pytest.mark.parametrize("text, strict, flexible", [

@@ -346,31 +346,28 @@ def _stratified(sizes: dict[str, int], limit: int | None, seed: int) -> dict[str
 def _lambada(spec: TaskSpec, path: Path, limit: int | None) -> list[Example]:
     """LAMBADA (OpenAI): lm-eval's ``lambada_openai`` scores ``" " + text.split(" ")[-1]`` after
     ``" ".join(text.split(" ")[:-1])``; the stored requests hold exactly that split."""
+    out = []
+    for i, d in _requests(path, limit):
+        text = d["request"]["context"] + d["request"]["continuation"]
+        context, word = " ".join(text.split(" ")[:-1]), " " + text.split(" ")[-1]
+        out.append(Example(spec.name, i, ((context, word),), 0, (len(word),)))
+    return out
+
+
+def _requests(path: Path, limit: int | None):
+    """``(row, record)`` of a stored ``requests.jsonl.gz``, the first ``limit`` rows."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; run `lowbit assets fetch tasks`")
-    out = []
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         for i, line in enumerate(fh):
             if limit is not None and i >= limit:
-                break
-            req = json.loads(line)["request"]
-            text = req["context"] + req["continuation"]
-            context, word = " ".join(text.split(" ")[:-1]), " " + text.split(" ")[-1]
-            out.append(Example(spec.name, i, ((context, word),), 0, (len(word),)))
-    return out
+                return
+            yield i, json.loads(line)
 
 
 def _gsm8k(spec: TaskSpec, path: Path, limit: int | None) -> list[Example]:
     """GSM8K (test, 1,319 problems): the prompt the wheel stores for each problem — eight worked
     examples ("Question: ...\nAnswer: ... So the answer is N.", the standard chain-of-thought
     exemplars) and then the problem — and its final number as the answer."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; run `lowbit assets fetch tasks`")
-    out = []
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if limit is not None and i >= limit:
-                break
-            d = json.loads(line)
-            out.append(Example(spec.name, i, ((d["request"]["context"], ""),), 0, (), answer=d["doc"]["short_answer"]))
-    return out
+    return [Example(spec.name, i, ((d["request"]["context"], ""),), 0, (), answer=d["doc"]["short_answer"])
+            for i, d in _requests(path, limit)]
