@@ -8,6 +8,8 @@ quantized K/V.  (vLLM 0.32's CPU backend writes each step's K/V into the paged c
 attends over the cache only; its FlashAttention backend does the same, and with an FP8 cache
 on FA3 also quantizes the queries to FP8, which this model does not.)  Works with transformers' ``DynamicCache``
 built from the model config, so Gemma-3's sliding-window layers keep their own layout.
+The one exception is KIVI's full-precision window (:attr:`KVConfig.residual`): there the tokens
+of the current write are read as they came (:func:`kv_forward`).
 """
 
 from __future__ import annotations
