@@ -19,7 +19,8 @@ def source_digest(*modules: str) -> str:
     With no argument it covers every file of the package.  Given module names (``lowbit.evaluation.rowcache``)
     it covers those modules and every lowbit module they import, transitively, imports inside
     functions included, plus the data files (``gpus.yaml``) of the packages they live in: what can
-    change the cached result.  A change to the CLI or a report then leaves computed rows valid.
+    change the cached result.  A change to the CLI or a report then leaves computed rows valid,
+    and so does an edit of comments or docstrings anywhere (the code is hashed as its AST).
     """
     return _digest(tuple(sorted(modules)))
 
@@ -30,8 +31,21 @@ def _digest(modules: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for path in files:
         h.update(str(path.relative_to(_ROOT)).encode())
-        h.update(path.read_bytes())
+        h.update(_code(path.read_text()).encode() if path.suffix == ".py" else path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _code(source: str) -> str:
+    """The code of a module without its comments, docstrings and layout (its AST, docstrings
+    dropped): editing prose leaves cached results valid."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def _module_path(name: str) -> Path | None:
