@@ -57,6 +57,38 @@ def test_base_tokens_header(tmp_path):
         L.base_tokens(p, 8)
 
 
+def test_base_logprobs_decode_llama_cpps_rows(tmp_path):
+    """Rows of fp32 scale, fp32 min and n_vocab uint16 codes (padded to even), ctx−1−ctx//2 rows per chunk."""
+    ctx, n_vocab, n_chunk = 8, 5, 2
+    rows, nv = ctx - 1 - ctx // 2, 2 * ((n_vocab + 1) // 2) + 4
+    rng = np.random.default_rng(0)
+    want, body = [], b""
+    for _ in range(n_chunk):
+        codes = rng.integers(0, 65536, size=(rows, n_vocab), dtype=np.uint16)
+        scale, mn = np.float32(16 / 65535), np.float32(-20.0)
+        raw = np.zeros((rows, nv), dtype=np.uint16)
+        raw[:, :4] = np.array([scale, mn], dtype=np.float32).view(np.uint16)
+        raw[:, 4:4 + n_vocab] = codes
+        body += raw.tobytes()
+        want.append(float(mn) + float(scale) * codes.astype(np.float64))
+    p = tmp_path / "base.kld"
+    p.write_bytes(b"_logits_" + np.array([ctx, n_vocab, n_chunk], dtype=np.int32).tobytes()
+                  + np.zeros(n_chunk * ctx, dtype=np.int32).tobytes() + body)
+    got = list(L.base_logprobs(p, ctx))
+    assert len(got) == n_chunk and got[0].shape == (rows, n_vocab)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, torch.from_numpy(w), atol=1e-9)
+
+
+def test_aligned_share_costs_one_token_per_merge():
+    """llama.cpp merging two tokens into one (its ``\\n\\n``) costs that token, not the rest of the stream."""
+    hf = torch.arange(100)
+    engine = torch.cat([hf[:10], torch.tensor([999]), hf[12:100]])      # tokens 10, 11 merged into one
+    assert (engine == hf[: engine.numel()]).double().mean() < 0.2         # position by position: shifted
+    assert L.aligned_share(engine, hf) == pytest.approx(98 / 99)
+    assert L.aligned_share(hf, hf) == 1.0
+
+
 def test_missing_build_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWBIT_LLAMA_CPP", str(tmp_path))
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
@@ -125,6 +157,7 @@ def test_q4_0_and_q4_k_files_end_to_end(tmp_path):
              for r in ("gguf-q4_0", "gguf-q4_k")]
     res = L.verify_gguf(files, ctx=256, chunks=4, cache=None)
     assert res.noise["tokens_as_transformers"] > 0.99
+    assert res.noise["kl_engine_f32_vs_lowbit"] < 1e-3   # llama.cpp's F32 run is lowbit's fp32 model
     for c in res.checks:
         assert c.ppl_ok, (c.file, c.delta_ppl, c.ppl_target)
         assert c.engine["kld"] == pytest.approx(c.lowbit["kl"], rel=0.1)
