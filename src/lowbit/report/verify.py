@@ -79,14 +79,17 @@ def gguf_table(v) -> Table:
     """llama.cpp's perplexity, KLD and same-top-p of each GGUF file beside lowbit's prediction of it."""
     t = Table(title=f"{v.model}: llama.cpp llama-perplexity against lowbit's prediction — {v.corpus}, {v.chunks} "
                     f"chunks × {v.ctx} tokens (second halves scored: {v.tokens_scored} tokens); KLD against the "
-                    f"F32 GGUF (llama.cpp) / the fp32 model (lowbit)", title_justify="left")
+                    f"F32 GGUF (llama.cpp) / the fp32 model (lowbit); the F32 row's KLD and top-1: llama.cpp's F32 "
+                    f"run against lowbit's fp32 model", title_justify="left")
     cols = ("file", "MiB", "llama.cpp PPL", "lowbit PPL", "Δ", "≤ 2×noise", "KLD llama.cpp", "KLD lowbit",
             "same top-1 llama.cpp", "same top-1 lowbit", "llama.cpp s")
     for c in cols:
         t.add_column(c, justify="left" if c == "file" else "right", no_wrap=c == "file")
     n = v.noise
-    t.add_row("F32 (noise floor)", "", num(n["engine_ppl"], 6), num(n["lowbit_ppl"], 6), num(n["delta_ppl"], 3),
-              "—", "", "", "", "", f"{n['engine_seconds']:.0f}")
+    kl, top = n.get("kl_engine_f32_vs_lowbit"), n.get("same_top_engine_f32_vs_lowbit")
+    t.add_row("F32 (noise floor)", "", num(n["engine_ppl"], 6),
+              num(n["lowbit_ppl"], 6), num(n["delta_ppl"], 3), "—", num(kl, 6) if kl is not None else "", "",
+              _share(top) if top is not None else "", "", f"{n['engine_seconds']:.0f}")
     for c in v.checks:
         e, p = c.engine, c.lowbit
         t.add_row(Path(c.file).name, f"{c.file_bytes / 2**20:.2f}", num(e["ppl"], 6), num(p["ppl"], 6),

@@ -7,12 +7,11 @@ llama.cpp quantizes too (for a tied model it is also the output matrix).  Where 
 ``llama-quantize`` falls back to (:data:`lowbit.numerics.ggml.FALLBACK`), as an extra rule.
 
 The file is read back (:func:`lowbit.checkpoint.gguf.read_gguf_weights`) and must decode to
-exactly the weights lowbit quantized; the evaluation runs on the read-back weights.
+exactly the weights lowbit quantized; the evaluation runs on those weights.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.gguf import read_gguf_weights, write_gguf
+from ..checkpoint.gguf import gguf_tensor_name, read_gguf_weights, to_stored, write_gguf
 from ..evaluation.compare import Workbench
 from ..evaluation.metrics import evaluate as run_eval
 from ..numerics import ggml as G
@@ -141,11 +140,10 @@ def quantize_to_gguf(model: str, recipe: str, out: Path, *, force: bool = False,
     qts, r = quantize_for_gguf(bench.model, r0, bench.calibration, stats=lambda: bench.stats, progress=progress)
     write_gguf(bench.model, qts, out, tokenizer_dir=bench.info.path, name=bench.info.name,
                add_bos=bench.info.needs_bos, force=force)
-    written = copy.deepcopy(bench.model)
-    load_checked(written, out)
+    load_checked(bench.model, out)  # the file holds exactly these weights, so they are what is evaluated
     ev = None
     if evaluate:
-        e = run_eval(plain_forward(written), bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
+        e = run_eval(plain_forward(bench.model), bench.windows, bench.reference, name=r.name, seed=seed, progress=progress)
         ev = {"corpus": corpus, "reference": bench.reference_row().eval.to_dict(), "checkpoint": e.to_dict()}
     types = {m: qt.scheme.ggml for m, qt in qts.items()}
     return GGUFResult(out, types, out.stat().st_size, ev)
@@ -153,13 +151,16 @@ def quantize_to_gguf(model: str, recipe: str, out: Path, *, force: bool = False,
 
 @torch.no_grad()
 def load_checked(model, path: Path) -> None:
-    """Load the file's weights into ``model``; every tensor must equal the model's own bit for bit."""
-    got = read_gguf_weights(path, model.config)
+    """Check the file against ``model``: every tensor must hold exactly what the writer stores for
+    the model's own (quantized) weights, bit for bit (compared as stored, so Gemma's ``1 + w`` norms
+    are compared as the fp32 values both llama.cpp and transformers multiply by)."""
+    mt = model.config.model_type
+    got = read_gguf_weights(path, model.config, stored=True)
     sd = model.state_dict()
     for name, t in got.items():
         if name not in sd:
             raise ValueError(f"{path}: tensor {name} has no counterpart in the model")
-        if not torch.equal(sd[name].to(torch.float32), t):
-            diff = float((sd[name].to(torch.float32) - t).abs().max())
+        want = to_stored(gguf_tensor_name(name, mt), sd[name], mt)
+        if not torch.equal(want, t):
+            diff = float((want - t).abs().max())
             raise AssertionError(f"{path}: {name} decodes to other values than lowbit quantized (max |Δ| {diff:.3g})")
-        sd[name].copy_(t)

@@ -1,0 +1,93 @@
+"""llamacpp tier: the Gemma-3 and Qwen2 files lowbit writes load in llama.cpp and compute what
+transformers computes. Skipped with the reason when ``make llama-cpp`` has not been run."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lowbit.engines import llama_cpp as L
+from lowbit.models.assets import cache_dir
+
+
+def _have_build() -> bool:
+    try:
+        L.find_llama_cpp()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(
+    not _have_build(), reason="llama.cpp is not built: run `make llama-cpp` (about 8.5 min on 2 cores)")]
+
+
+def test_gemma3_f32_and_q4_k_in_llama_cpp(tmp_path):
+    """Gemma-3-270m (SentencePiece-style vocabulary, 1 + w norms, sliding layers, BOS per chunk):
+    llama.cpp tokenizes the text as transformers does, its F32 run matches lowbit's fp32 model, and
+    lowbit predicts a Q4_K file's perplexity and KLD in llama.cpp (what is asserted is what was
+    measured; the 2×-noise-floor target is reported, not asserted, as for SmolLM2)."""
+    from lowbit.workflows.gguf import quantize_to_gguf
+
+    f = quantize_to_gguf("gemma3-270m", "gguf-q4_k", tmp_path / "g.gguf", evaluate=False, progress=False).path
+    res = L.verify_gguf([f], ctx=256, chunks=4)
+    print("gemma3-270m:", json.dumps(res.to_dict()))  # the figures, for the log (pytest -s)
+    n = res.noise
+    assert n["tokens_as_transformers"] > 0.99
+    assert n["kl_engine_f32_vs_lowbit"] < 1e-3 and n["same_top_engine_f32_vs_lowbit"] > 0.98
+    assert abs(n["engine_ppl"] / n["lowbit_ppl"] - 1) < 0.01
+    (c,) = res.checks
+    assert c.engine["kld"] == pytest.approx(c.lowbit["kl"], rel=0.15)
+    assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.02, c.delta_ppl
+
+
+def _tiny_qwen2_folder(root):
+    """A random 2-layer Qwen2 (q/k/v biases) with SmolLM2's vocabulary and a real tokenizer (SmolLM2's:
+    no Qwen tokenizer is available offline), weights scaled up so attention and logits are peaked."""
+    import transformers as T
+
+    from lowbit.models.assets import fetch
+
+    src = fetch("smollm2-135m")
+    torch.manual_seed(0)
+    cfg = T.Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                        tie_word_embeddings=True, initializer_range=0.15, bos_token_id=0, eos_token_id=0)
+    m = T.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    d = root / "tiny-qwen2-gguf-check"
+    m.save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, d / name)
+    return d
+
+
+def test_tiny_qwen2_f32_matches_transformers_in_llama_cpp(tmp_path):
+    """The Qwen2 writer's conventions (NEOX rows unpermuted, q/k/v biases, names): llama.cpp's F32
+    log-probabilities equal transformers' on a random model whose attention is far from uniform;
+    lowbit predicts a Q8_0 file's perplexity in llama.cpp within 1%."""
+    from lowbit.checkpoint.gguf import write_gguf
+    from lowbit.models.loading import load_model
+    from lowbit.workflows.gguf import load_checked, quantize_for_gguf
+
+    d = _tiny_qwen2_folder(tmp_path)
+    model, _, _ = load_model(str(d))
+    qts, _ = quantize_for_gguf(model, "gguf-q8_0")
+    f = write_gguf(model, qts, tmp_path / "q8.gguf", tokenizer_dir=d, name=d.name, add_bos=False)
+    load_checked(model, f)
+    try:
+        res = L.verify_gguf([f], reference=str(d), ctx=128, chunks=4)
+    finally:
+        shutil.rmtree(cache_dir() / "verify" / "llama.cpp" / d.name, ignore_errors=True)
+    print("tiny qwen2:", json.dumps(res.to_dict()))  # the figures, for the log (pytest -s)
+    n = res.noise
+    assert n["kl_engine_f32_vs_lowbit"] < 1e-3 and n["same_top_engine_f32_vs_lowbit"] > 0.98
+    assert n["engine_ppl"] > 50  # a random model: far from a trained one, far from uniform (49152)
+    (c,) = res.checks
+    assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.01, c.delta_ppl
