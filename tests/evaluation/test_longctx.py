@@ -3,7 +3,6 @@ equal to the standard evaluator (perplexity and KL of the whole window), per KV 
 
 import numpy as np
 import pytest
-import torch
 
 from lowbit.cli import main
 from lowbit.evaluation import longctx as L

@@ -133,7 +133,7 @@ def test_quantize_dequantize_nearest_under_the_scale(case):
     assert torch.equal(fake_quantize(x, scheme), y)
     # each element's code is the nearest value of the format under its block's scale
     fmt = scheme.format
-    from lowbit.numerics.granularity import blocked, from_matrix_view, matrix_view, unblocked
+    from lowbit.numerics.granularity import blocked, matrix_view
     from lowbit.numerics.qtensor import _effective_scale
 
     m = matrix_view(x, scheme.granularity)

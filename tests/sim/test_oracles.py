@@ -1,6 +1,5 @@
 """The simulator against analytic oracles."""
 
-import dataclasses
 
 import numpy as np
 import pytest
