@@ -72,10 +72,10 @@ def greedy_generate(model: nn.Module, tokenizer, prompt: Sequence[int], state: Q
     cache = make_cache(model.config, kv.on_write if kv is not None else (lambda layer, k, v: (k, v)))
     kw = {cache_kwarg(model): cache, "use_cache": True}
     dev = input_device(model)
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=dev)  # dev None: the CPU (dispatched models)
     out: list[int] = []
     with quantized_activations(model, state.activations if state is not None else {}):
-        logits = model(input_ids=ids if dev is None else ids.to(dev), **kw).logits[0, -1]
+        logits = model(input_ids=ids, **kw).logits[0, -1]
         for _ in range(max_new):
             tok = int(logits.argmax())
             if tok == tokenizer.eos_token_id:
@@ -85,8 +85,8 @@ def greedy_generate(model: nn.Module, tokenizer, prompt: Sequence[int], state: Q
             cut = min((text.find(s) for s in stop if s in text), default=-1)
             if cut >= 0:
                 return text[:cut], out
-            step = torch.tensor([[tok]], dtype=torch.long)
-            logits = model(input_ids=step if dev is None else step.to(dev), **kw).logits[0, -1]
+            step = torch.tensor([[tok]], dtype=torch.long, device=dev)
+            logits = model(input_ids=step, **kw).logits[0, -1]
     return tokenizer.decode(out), out
 
 
