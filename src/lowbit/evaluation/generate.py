@@ -51,7 +51,7 @@ def extract_answers(text: str) -> tuple[str, str]:
     """``(strict, flexible)``: the number after "the answer is" (first match), and the last
     number of ``text``; ``"[invalid]"`` where there is none (lm-eval's fallback)."""
     strict = _STRICT.search(text)
-    flex = [m for m in _FLEXIBLE.findall(text)]
+    flex = _FLEXIBLE.findall(text)
     last = next((g for g in flex[-1] if g), "") if flex else ""
     return (strict.group(1) if strict else "[invalid]"), (last or "[invalid]")
 
