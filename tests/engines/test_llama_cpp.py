@@ -182,8 +182,9 @@ def test_report_shows_the_weights_only_prediction_beside():
 
     from lowbit.report import verify as render
 
-    pred = {"ppl": 16.4001, "kl": 0.2680, "same_top": 0.7461, "tokens": 2040,
-            "weights_only": {"ppl": 16.4025, "kl": 0.2671, "same_top": 0.7466, "tokens": 2040}}
+    pred = {"ppl": 16.4001, "kl": 0.2680, "same_top": 0.7461, "tokens": 2040, "vs_engine": {"kl": 4.2e-4, "same_top": 0.99},
+            "weights_only": {"ppl": 16.4025, "kl": 0.2671, "same_top": 0.7466, "tokens": 2040,
+                             "vs_engine": {"kl": 3.1e-3, "same_top": 0.97}}}
     checks = [L.GGUFCheck("/x/a.gguf", {"ppl": 16.379, "kld": 0.2687, "same_top_p": 74.61}, pred, -0.0211, 3e-5, 47.0,
                           91726144),
               L.GGUFCheck("/x/b.gguf", {"ppl": 16.0, "kld": 0.1, "same_top_p": 80.0},
@@ -194,8 +195,34 @@ def test_report_shows_the_weights_only_prediction_beside():
                             "engine_seconds": 63.0}, checks)
     line = render.gguf_check_line(checks[0])
     assert "lowbit 16.4001" in line and "weights only: PPL 16.4025, KLD 0.2671" in line
+    assert "KL(llama.cpp ‖ lowbit) 4.20e-04 (weights only 3.10e-03)" in line
     console = Console(width=400, record=True)
     console.print(render.gguf_table(v))
     text = console.export_text()
-    assert "16.4025 / 0.2671" in text and "8-bit activation blocks" in text
+    assert "16.4025 / 0.2671" in text and "8-bit activation blocks" in text and "4.20e-04 / 3.10e-03" in text
     assert "weights only" not in render.gguf_check_line(checks[1])
+
+
+def test_predict_pairs_scores_each_source_once_per_chunk(tiny_llama):
+    """One forward per model (and per activation-rounded model) per chunk, every pair scored from
+    them: a model against its own stored log-probabilities has KL 0; against itself with
+    llama.cpp's 8-bit activations, KL > 0; the one-pair helper gives the same numbers."""
+    m = tiny_llama
+    chunks = torch.randint(0, m.config.vocab_size, (3, 32), generator=torch.Generator().manual_seed(2))
+    types = {n: "q8_0" for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)}
+    calls = []
+    h = m.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(1), with_kwargs=True)
+    with torch.no_grad():
+        own = [torch.log_softmax(m(c[None]).logits[0, 16:-1].double(), -1) for c in chunks]
+    calls.clear()
+    preds = L._predict_pairs({"w": m, "act": (m, types), "stored": own},
+                             [("w", None), ("act", "w"), ("w", "stored"), ("act", "stored")], chunks)
+    h.remove()
+    assert len(calls) == 2 * len(chunks)  # "w" and "act" once per chunk each, whatever the pairs
+    plain, act_vs_w, w_vs_stored, act_vs_stored = preds
+    assert plain.kl is None and plain.tokens == 3 * 15
+    assert w_vs_stored.kl == pytest.approx(0, abs=1e-12) and w_vs_stored.same_top == 1.0
+    assert w_vs_stored.ppl == pytest.approx(plain.ppl, rel=1e-12)
+    assert act_vs_w.kl > 1e-7 and act_vs_stored.kl == pytest.approx(act_vs_w.kl, rel=1e-6)
+    one = L._predict(m, None, chunks)
+    assert one.ppl == pytest.approx(plain.ppl, rel=1e-12)

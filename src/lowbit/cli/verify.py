@@ -28,6 +28,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         res = verify_gguf([Path(d) for d in args.dirs], reference=args.reference, corpus=args.corpus,
                           ctx=args.seq_len, chunks=args.windows, cache=args.cache,
+                          engine_logits=not args.no_engine_logits,
                           on_result=lambda c: print(render.gguf_check_line(c), flush=True))
         n = res.noise
         print(f"noise floor (F32 GGUF): llama.cpp {n['engine_ppl']:.4f}, lowbit {n['lowbit_ppl']:.4f} "
@@ -73,6 +74,9 @@ def register(subparsers) -> None:
     p.add_argument("--kv-chunk", type=int, default=64,
                    help="prefill chunk (tokens) for folders with an FP8 KV cache, so that later chunks read the "
                         "cache (default 64)")
+    p.add_argument("--no-engine-logits", action="store_true",
+                   help="llama.cpp: skip the second run per file that dumps llama.cpp's own log-probabilities "
+                        "(then no KL of the prediction from them)")
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     p.add_argument("--json", metavar="FILE", help="write results here (default: a new file under the cache)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")

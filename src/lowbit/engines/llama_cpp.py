@@ -180,35 +180,51 @@ def base_logprobs(path: Path, ctx: int):
 
 
 @torch.no_grad()
-def _predict(model, reference, chunks: torch.Tensor) -> Prediction:
-    """Score ``chunks`` ``(n, ctx)`` as llama-perplexity does: positions ``ctx//2 … ctx−2`` predict
-    the next token; against ``reference`` (a model, an iterable of per-chunk log-probabilities such
-    as :func:`base_logprobs`, or ``None``) full-vocabulary KL and top-1 agreement (against stored
-    log-probabilities, as llama.cpp computes its KLD: terms with log p ≤ −16 left out)."""
+def _predict_pairs(sources: dict, pairs: list[tuple[str, str | None]], chunks: torch.Tensor) -> list[Prediction]:
+    """Score ``chunks`` ``(n, ctx)`` as llama-perplexity does — positions ``ctx//2 … ctx−2``
+    predict the next token — chunk by chunk, each source once per chunk.  ``sources``: name →
+    a model (or ``(model, ggml types)``, run under :func:`engine_activations`) or an iterable of
+    per-chunk log-probabilities (such as :func:`base_logprobs`).  For each ``(scored, reference)``
+    of ``pairs``: the perplexity of ``scored`` and, against ``reference`` (``None``: none),
+    full-vocabulary KL and top-1 agreement — against stored log-probabilities as llama.cpp
+    computes its KLD (terms with log p ≤ −16 left out: its rows are clamped there)."""
     first = chunks.shape[1] // 2
-    nll, kls, agree = [], [], []
+    stored = {k: iter(v) for k, v in sources.items() if not isinstance(v, (torch.nn.Module, tuple))}
+    acc = [([], [], []) for _ in pairs]
 
-    def logp(m, c):
-        return torch.log_softmax(m(c[None]).logits[0, first:-1].to(torch.float64), dim=-1)
+    def logp(src, c):
+        m, types = src if isinstance(src, tuple) else (src, None)
+        with engine_activations(m, types) if types is not None else contextlib.nullcontext():
+            return torch.log_softmax(m(c[None]).logits[0, first:-1].to(torch.float64), dim=-1)
 
-    refs = None if reference is None or isinstance(reference, torch.nn.Module) else iter(reference)
     for c in chunks:
-        lp = logp(model, c)
-        nll.append(-lp.gather(-1, c[first + 1:, None]).squeeze(-1))
-        if reference is not None:
-            r = logp(reference, c) if refs is None else next(refs)
-            if r.shape != lp.shape:
-                raise ValueError(f"reference log-probabilities of shape {tuple(r.shape)}, lowbit's {tuple(lp.shape)}")
-            term = r.exp() * (r - lp)
-            if refs is not None:  # llama.cpp's rows are clamped 16 nats down: as llama.cpp, skip log p ≤ −16
-                term = torch.where(r > -16, term, torch.zeros_like(term))
+        lp = {k: next(stored[k]) if k in stored else logp(v, c) for k, v in sources.items()}
+        for (q, r), (nll, kls, agree) in zip(pairs, acc):
+            nll.append(-lp[q].gather(-1, c[first + 1:, None]).squeeze(-1))
+            if r is None:
+                continue
+            if lp[r].shape != lp[q].shape:
+                raise ValueError(f"reference log-probabilities of shape {tuple(lp[r].shape)}, lowbit's {tuple(lp[q].shape)}")
+            term = lp[r].exp() * (lp[r] - lp[q])
+            if r in stored:
+                term = torch.where(lp[r] > -16, term, torch.zeros_like(term))
             kls.append(term.sum(-1))
-            agree.append((r.argmax(-1) == lp.argmax(-1)).double())
-    n = torch.cat(nll)
-    pred = Prediction(float(n.mean().exp()), tokens=n.numel())
-    if reference is not None:
-        pred.kl, pred.same_top = float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
-    return pred
+            agree.append((lp[r].argmax(-1) == lp[q].argmax(-1)).double())
+    out = []
+    for (_, r), (nll, kls, agree) in zip(pairs, acc):
+        n = torch.cat(nll)
+        pred = Prediction(float(n.mean().exp()), tokens=n.numel())
+        if r is not None:
+            pred.kl, pred.same_top = float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
+        out.append(pred)
+    return out
+
+
+def _predict(model, reference, chunks: torch.Tensor) -> Prediction:
+    """:func:`_predict_pairs` for one model against one reference (a model, stored
+    log-probabilities or ``None``)."""
+    sources = {"q": model} | ({} if reference is None else {"r": reference})
+    return _predict_pairs(sources, [("q", None if reference is None else "r")], chunks)[0]
 
 
 @contextlib.contextmanager
@@ -319,13 +335,23 @@ def reference_f32(model, info, cache: Path | None = None) -> Path:
     return f32
 
 
+def _vs(p: Prediction) -> dict[str, float]:
+    return {"kl": p.kl, "same_top": p.same_top}
+
+
 def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str = "wiki", ctx: int = 512,
                 chunks: int = 16, threads: int | None = None, cache: Path | None = None,
-                target_factor: float = 2.0, predict: bool = True, on_result=None) -> GGUFVerification:
+                target_factor: float = 2.0, predict: bool = True, engine_logits: bool = True,
+                on_result=None) -> GGUFVerification:
     """Run ``llama-perplexity`` on each GGUF file and on an F32 GGUF of the reference, and lowbit's
     prediction of the same files on the same chunks (see the module docstring).  ``predict=False``
     runs llama.cpp only (e.g. on files another tool wrote); the F32 base run is reused when its
-    logits file and log exist and are newer than the F32 file."""
+    logits file and log exist and are newer than the F32 file.  With ``engine_logits`` each file
+    is run a second time to dump llama.cpp's own log-probabilities of it, and the prediction is
+    compared with them token by token: ``lowbit["vs_engine"]`` (and ``["weights_only"]["vs_engine"]``)
+    hold KL(llama.cpp ‖ lowbit's prediction) and their top-1 agreement — how close lowbit comes to
+    what the engine computed, which a perplexity difference alone (noisy at a few thousand tokens)
+    does not show."""
     files = [Path(f) for f in files]
     for f in files:
         if not f.is_file() or f.suffix != ".gguf":
@@ -364,10 +390,22 @@ def verify_gguf(files: list[Path], *, reference: str | None = None, corpus: str 
             sd = q.state_dict()
             for k, v in read_gguf_weights(f, model.config).items():
                 sd[k].copy_(v)
-            weights_only = _predict(q, model, windows)
-            with engine_activations(q, tensor_types(f, model.config)):
-                pred = asdict(_predict(q, model, windows))
-            pred["weights_only"] = asdict(weights_only)
+            sources = {"ref": model, "act": (q, tensor_types(f, model.config)), "w": q}
+            pairs = [("act", "ref"), ("w", "ref")]
+            dump = work / f"{f.stem}-{digest}-logits.kld"
+            try:
+                if engine_logits:  # llama.cpp's own log-probabilities of this file: the prediction against them
+                    _run_perplexity(f, text_path, ctx, chunks, dump, write_base=True, threads=threads,
+                                    log_path=work / f"{f.stem}-logits.log")
+                    sources["engine"] = base_logprobs(dump, ctx)
+                    pairs += [("act", "engine"), ("w", "engine")]
+                preds = _predict_pairs(sources, pairs, windows)
+            finally:
+                dump.unlink(missing_ok=True)
+            pred, weights_only = asdict(preds[0]), asdict(preds[1])
+            if engine_logits:
+                pred["vs_engine"], weights_only["vs_engine"] = _vs(preds[2]), _vs(preds[3])
+            pred["weights_only"] = weights_only
         else:
             pred = asdict(Prediction(float("nan")))
         check = GGUFCheck(str(f), run.figures, pred, run.figures["ppl"] - pred["ppl"], target_factor * noise,

@@ -72,11 +72,21 @@ def _weights_only(p: dict) -> str:
     return f"{num(w['ppl'], 6)} / {num(w['kl'], 4)}" if w else "—"
 
 
+def _vs_engine(p: dict) -> str:
+    """KL(llama.cpp's log-probabilities of the file ‖ lowbit's prediction), modelled / weights only."""
+    v, w = p.get("vs_engine"), (p.get("weights_only") or {}).get("vs_engine")
+    return " / ".join(f"{x['kl']:.2e}" for x in (v, w) if x) or "—"
+
+
 def gguf_check_line(c) -> str:
     """One GGUF file verified in llama.cpp (:class:`lowbit.engines.llama_cpp.GGUFCheck`), one line."""
     e, p = c.engine, c.lowbit
     w = p.get("weights_only")
     wo = f"; weights only: PPL {w['ppl']:.4f}, KLD {num(w['kl'], 4)}" if w else ""
+    if p.get("vs_engine"):
+        wo += f"; KL(llama.cpp ‖ lowbit) {p['vs_engine']['kl']:.2e}"
+        if w and w.get("vs_engine"):
+            wo += f" (weights only {w['vs_engine']['kl']:.2e})"
     return (f"{Path(c.file).name}: llama.cpp PPL {e['ppl']:.4f}, lowbit {p['ppl']:.4f} (Δ {c.delta_ppl:+.4f}, target "
             f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KLD llama.cpp {num(e.get('kld'), 4)} / lowbit "
             f"{num(p['kl'], 4)}; same top-1 {num(e.get('same_top_p'), 2)}% / {_share(p['same_top'])}{wo}")
@@ -88,20 +98,23 @@ def gguf_table(v) -> Table:
                     f"chunks × {v.ctx} tokens (second halves scored: {v.tokens_scored} tokens); KLD against the "
                     f"F32 GGUF (llama.cpp) / the fp32 model (lowbit); the F32 row's KLD and top-1: llama.cpp's F32 "
                     f"run against lowbit's fp32 model; lowbit models llama.cpp's 8-bit activation blocks "
-                    f"('weights only': without them)", title_justify="left")
+                    f"('weights only': without them); 'KL to llama.cpp': KL(llama.cpp's log-probabilities of the "
+                    f"file ‖ lowbit's prediction), modelled / weights only", title_justify="left")
     cols = ("file", "MiB", "llama.cpp PPL", "lowbit PPL", "Δ", "≤ 2×noise", "KLD llama.cpp", "KLD lowbit",
-            "same top-1 llama.cpp", "same top-1 lowbit", "weights only PPL / KLD", "llama.cpp s")
+            "same top-1 llama.cpp", "same top-1 lowbit", "weights only PPL / KLD", "KL to llama.cpp",
+            "llama.cpp s")
     for c in cols:
         t.add_column(c, justify="left" if c == "file" else "right", no_wrap=c == "file")
     n = v.noise
     kl, top = n.get("kl_engine_f32_vs_lowbit"), n.get("same_top_engine_f32_vs_lowbit")
     t.add_row("F32 (noise floor)", "", num(n["engine_ppl"], 6),
               num(n["lowbit_ppl"], 6), num(n["delta_ppl"], 3), "—", num(kl, 6) if kl is not None else "", "",
-              _share(top) if top is not None else "", "", "", f"{n['engine_seconds']:.0f}")
+              _share(top) if top is not None else "", "", "", "", f"{n['engine_seconds']:.0f}")
     for c in v.checks:
         e, p = c.engine, c.lowbit
         t.add_row(Path(c.file).name, f"{c.file_bytes / 2**20:.2f}", num(e["ppl"], 6), num(p["ppl"], 6),
                   num(c.delta_ppl, 3), "yes" if c.ppl_ok else f"no (> {num(c.ppl_target, 2)})",
                   num(e.get("kld"), 4), num(p["kl"], 4),
-                  f"{num(e.get('same_top_p'), 4)}%", _share(p['same_top']), _weights_only(p), f"{c.engine_seconds:.0f}")
+                  f"{num(e.get('same_top_p'), 4)}%", _share(p['same_top']), _weights_only(p), _vs_engine(p),
+                  f"{c.engine_seconds:.0f}")
     return t
