@@ -9,6 +9,7 @@ CPU time (user + system of the process and its workers) and the load average are
 beside the wall time: on a shared machine the wall time alone says little.
 
     .venv/bin/python benchmarks/compare_time.py                # the default job
+    .venv/bin/python benchmarks/compare_time.py --keep-json rows.json   # and keep its table's JSON
     .venv/bin/python benchmarks/compare_time.py -- --windows 8 --recipes fp8-dynamic
 """
 
@@ -61,6 +62,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("LOWBIT_CACHE", "~/.cache/lowbit")).expanduser(),
                     help="the warm cache whose models and corpora are linked in")
+    ap.add_argument("--keep-json", type=Path, help="also copy the run's `lowbit compare --json` result here")
     ap.add_argument("extra", nargs="*", help="more `lowbit compare` arguments (after --)")
     a = ap.parse_args()
     if not Path("/proc/self/smaps_rollup").exists():
@@ -90,6 +92,8 @@ def main() -> int:
             print(f"lowbit compare failed (exit {proc.returncode})", file=sys.stderr)
             return proc.returncode
         stages = json.loads(out.read_text())["stage_seconds"]
+        if a.keep_json:
+            a.keep_json.write_bytes(out.read_bytes())
     print(f"{a.model}: wall {wall:.0f} s ({wall / 60:.1f} min), CPU {cpu:.0f} s (process and workers), "
           f"peak PSS {peak / 2**20:.2f} GiB; load average {load0:.1f} at the start, {load1:.1f} at the end")
     for k, v in stages.items():

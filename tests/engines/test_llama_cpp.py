@@ -154,10 +154,11 @@ def test_q4_0_and_q4_k_files_end_to_end(tmp_path):
     """lowbit writes SmolLM2 as Q4_0 and Q4_K; llama.cpp loads and scores both on 4 chunks of 256,
     against its F32 run of the same weights, beside lowbit's prediction.
 
-    Asserted: what was measured (benchmarks/RESULTS.md, 8 × 512: PPL within 0.14% / 0.86%, KL
-    within 0.6% / 7.5%). The issue's target — |ΔPPL| within twice the F32 noise floor — is missed
-    (the floor is ~1e-5: llama.cpp's F32 run equals lowbit's fp32 model; a likely cause of the gap,
-    not isolated: llama.cpp's CPU dot products also round the activations to 8-bit blocks);
+    Asserted: what was measured (benchmarks/RESULTS.md, 8 × 512, the prediction modelling
+    llama.cpp's 8-bit activation blocks: PPL within 0.25% / 0.09%, KLD within 0.3% / 2%; token by
+    token KL(llama.cpp ‖ lowbit) 3.8e-3 / 5.1e-3, the level float noise alone reaches through that
+    rounding). The issue's target — |ΔPPL| within twice the F32 noise floor — is missed and cannot
+    be met by a reimplementation (RESULTS: 1e-7 relative noise before the rounding gives KL 4e-3);
     ``ppl_ok`` is reported, not asserted."""
     from lowbit.workflows.gguf import quantize_to_gguf
 
@@ -173,6 +174,12 @@ def test_q4_0_and_q4_k_files_end_to_end(tmp_path):
         assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.02, (c.file, c.delta_ppl)
         assert c.engine["kld"] == pytest.approx(c.lowbit["kl"], rel=0.15)
         assert c.engine["same_top_p"] / 100 == pytest.approx(c.lowbit["same_top"], abs=0.03)
+        w = c.lowbit["weights_only"]
+        assert c.lowbit["ppl"] != w["ppl"]  # the activation rounding is in the prediction
+        # token by token against llama.cpp's own log-probabilities of the file: at the level of the
+        # rounding noise (~4e-3 at 8 x 512), far below the file's own KL from the reference
+        for v in (c.lowbit["vs_engine"], w["vs_engine"]):
+            assert v["kl"] < 0.25 * c.engine["kld"] and v["same_top"] > 0.9, (c.file, v)
 
 
 def test_report_shows_the_weights_only_prediction_beside():
