@@ -274,7 +274,7 @@ def quantize_layerwise(
             if rounding is not None:  # tune the layer's rounding; its outputs are computed again
                 stage("learned rounding")
                 t_r = time.perf_counter()
-                inputs = rounding.after(i, layers[i], layer_kwargs[i], modules, state, keep_qtensors)
+                inputs = rounding.after(i, layers[i], layer_kwargs[i], modules, state, keep_qtensors, ctx.anchors)
                 times["rounding"] += time.perf_counter() - t_r
             if home is not None:
                 offload(layers[i], home, state, stats, prefix)

@@ -304,6 +304,8 @@ RECIPES: dict[str, Recipe] = {
                 "int4-g64", algorithms={"round_opt": {}}),
         _preset("w4a16-int4-g128-ro", "W4A16 INT4 g128, learned rounding and clipping per decoder layer (from min-max)",
                 "int4-g128", algorithms={"round_opt": {}}),
+        _preset("w4a16-gptq-ro-g64", "W4A16 INT4 g64, GPTQ (weighted-MSE scales) then learned rounding and clipping",
+                "int4-g64", algorithms={**_GPTQ_MSE, "round_opt": {}}),
         _preset("w4a16-awq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping) then learned rounding",
                 "int4-g64-asym", algorithms={"awq": {}, "round_opt": {}}),
         _preset("w8a8-int8-sq-gptq", "W8A8 INT8 (per-channel / per-token dynamic), SmoothQuant 0.8 + GPTQ",

@@ -90,13 +90,15 @@ class LayerRounding:
 
     @torch.no_grad()
     def after(self, i: int, layer: nn.Module, kwargs: dict, modules: dict[str, nn.Module], state: QuantState,
-              keep_qtensors: bool) -> list[torch.Tensor]:
-        """Train layer ``i``'s rounding from the QTensors its pass left in ``state``; write
-        the tuned weights (and QTensors, when kept); return its outputs on the kept inputs."""
+              keep_qtensors: bool, anchors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Train layer ``i``'s rounding from the QTensors its pass left in ``state``, with
+        offsets on the float weights or, where its method left one in ``anchors`` (GPTQ:
+        the weights as it rounded them; taken out of the dict), on that; write the tuned
+        weights (and QTensors, when kept); return its outputs on the kept inputs."""
         t0 = time.perf_counter()
         saved, self._saved = self._saved, None
         cfg, prefix = self.cfg, saved["prefix"]
-        weights = saved["weights"]
+        weights = {n: anchors.pop(n, w) for n, w in saved["weights"].items()}
         missing = [n for n in weights if n not in state.weights]
         if missing:
             raise RuntimeError(f"layer {i}: no QTensor to start learned rounding from for {missing}")

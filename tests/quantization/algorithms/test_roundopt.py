@@ -48,6 +48,19 @@ def test_at_the_start_it_is_its_initial_quantization_bit_for_bit(name):
         assert r.radius == (1.0 if kind == "gptq" else 0.5), kind
 
 
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g64-asym", "mxfp4", "nvfp4"])
+def test_gptq_rounding_inputs_round_to_its_codes(name):
+    """GPTQ's weights as it rounded them: round-to-nearest of them at GPTQ's scales is GPTQ's
+    result, so learned rounding anchored there starts in AdaRound's space (radius ½)."""
+    w, scheme = _w(), PRESETS[name]
+    qt, anchor = gptq(w, _hessian(), scheme, act_order=True, static_groups=True, rounding_inputs=True)
+    assert torch.equal(qt.codes, gptq(w, _hessian(), scheme, act_order=True, static_groups=True).codes)
+    assert torch.equal(quantize(anchor, scheme, qt.qparams).values(), qt.values())
+    assert not torch.equal(anchor, w)
+    r = LearnedRounding(anchor, qt)
+    assert r.radius == 0.5 and torch.equal(r.weight(), dequantize(qt))
+
+
 def test_zero_steps_return_the_inits_themselves():
     w = _w()
     init = quantize(w, PRESETS["int4-g64"])
