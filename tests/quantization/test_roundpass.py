@@ -45,7 +45,8 @@ def test_zero_steps_is_the_weight_method_bit_for_bit(base):
 _LOSS = re.compile(r"layer (\d+) learned rounding: block-output MSE (\S+) → (\S+)")
 
 
-@pytest.mark.parametrize("target, base", [("float", {}), ("layer", {}), ("float", {"gptq": {}})])
+@pytest.mark.parametrize("target, base", [("float", {}), ("layer", {}), ("float", {"gptq": {}}),
+                                          ("float", {"awq": {"clip": False}, "gptq": {}, "observer": "mse"})])
 def test_no_layer_ends_above_its_start_and_the_weights_are_the_qtensors(caplog, target, base):
     caplog.set_level(logging.INFO, logger="lowbit.quantization.roundpass")
     model, state = _run(_recipe(**base, round_opt={"steps": 12, "windows": 4, "batch": 2, "target": target,
@@ -90,7 +91,8 @@ def test_what_it_does_not_do_yet_is_refused_before_any_work():
 
 
 def test_presets():
-    for name in ("w4a16-int4-g64-ro", "w4a16-int4-g128-ro", "w4a16-gptq-ro-g64", "w4a16-awq-ro-g64-asym"):
+    for name in ("w4a16-int4-g64-ro", "w4a16-int4-g128-ro", "w4a16-gptq-ro-g64", "w4a16-awq-ro-g64-asym",
+                 "w4a16-awq-gptq-ro-g64-asym"):
         algo = RECIPES[name].algorithms
         assert algo.round_opt is not None and algo.layerwise
     assert RECIPES["w4a16-awq-ro-g64-asym"].algorithms.weight_method == "AWQ clipping + learned rounding"

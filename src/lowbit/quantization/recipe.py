@@ -308,6 +308,9 @@ RECIPES: dict[str, Recipe] = {
                 "int4-g64", algorithms={**_GPTQ_MSE, "round_opt": {}}),
         _preset("w4a16-awq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping) then learned rounding",
                 "int4-g64-asym", algorithms={"awq": {}, "round_opt": {}}),
+        _preset("w4a16-awq-gptq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales, GPTQ (weighted-MSE scales), "
+                "then learned rounding and clipping", "int4-g64-asym",
+                algorithms={"awq": {"clip": False}, **_GPTQ_MSE, "round_opt": {}}),
         _preset("w8a8-int8-sq-gptq", "W8A8 INT8 (per-channel / per-token dynamic), SmoothQuant 0.8 + GPTQ",
                 "int8-channel", "int8-token", algorithms={"smoothquant": {"alpha": 0.8}, "gptq": {}}),
         _preset("w8a8-int8-static-sq", "W8A8 INT8 static per-tensor activations, SmoothQuant 0.8",
