@@ -67,7 +67,7 @@ def test_qtensors_are_dropped_when_not_kept():
 
 @pytest.mark.parametrize("settings, match", [
     ({"steps": -1}, "steps"), ({"target": "teacher"}, "target"), ({"clip_min": 0.0}, "clip_min"),
-    ({"windows": 2, "batch": 4}, "batch"), ({"lr": 0}, "lr"), ({"checks": 0}, "checks"),
+    ({"windows": 2, "batch": 4}, "batch"), ({"lr": 0}, "lr"), ({"clip_lr": -1.0}, "clip_lr"), ({"checks": 0}, "checks"),
     ({"stepz": 3}, "unknown key"), ({"steps": "many"}, "expected int"), ({"threads": -1}, "threads"),
 ])
 def test_bad_settings_are_refused_when_the_recipe_is_read(settings, match):

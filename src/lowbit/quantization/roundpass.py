@@ -112,7 +112,7 @@ class LayerRounding:
             p.requires_grad_(False)
         try:
             result = A.optimize_rounding(forward, weights, {n: state.weights[n] for n in weights}, saved["batches"],
-                                         steps=cfg.steps, lr=cfg.lr, learn_clip=cfg.learn_clip,
+                                         steps=cfg.steps, lr=cfg.lr, clip_lr=cfg.clip_lr, learn_clip=cfg.learn_clip,
                                          clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads)
         finally:
             for p, flag in grads:
