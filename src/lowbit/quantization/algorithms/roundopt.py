@@ -123,7 +123,7 @@ class LearnedRounding:
             z0 = init.zero.to(torch.float32)[:, None, :, None]
             self.lo0, self.hi0 = (fmt.min - z0) * self.s0, (fmt.max - z0) * self.s0
         y0 = self._y(self.s0)
-        rtn = torch.equal(quantize(w.detach().to(torch.float32), scheme, init.qparams).codes, init.codes)
+        rtn = torch.equal(quantize(w.detach().to(torch.float32), scheme, init.qparams).values(), init.values())
         if rtn:                                              # AdaRound's space: floor or ceil of y
             self.v0, self.radius = torch.zeros((), device=w.device), 0.5
         else:                                                # start on the given codes, ±1 step
