@@ -53,7 +53,7 @@ def _streamed(folder, recipe, out):
     return res
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "w4a16-int4-g128", "nvfp4", "w4a16-gptq-g64", "kv-fp8",
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w4a16-int4-g128", "nvfp4", "w4a16-gptq-g64", "kv-fp8", "w4a16-gptq-ro-g64",
                                   "w8a8-int8-static-sq"])
 def test_streamed_export_equals_in_memory_export(tmp_path, name):
     recipe = RECIPES[name]

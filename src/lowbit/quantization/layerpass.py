@@ -43,7 +43,9 @@ class PassContext:
     ``sample_every``: AWQ's token sampling stride (0: none); ``kv_cache_kwarg``: the
     forward keyword of the KV cache when K/V scales are calibrated, else ``None``;
     ``expert_of``: MoE expert Linear → ``(experts module, expert index)``, for the rule on
-    experts that saw fewer than ``algo.expert_min_tokens`` tokens (min-max rounding).
+    experts that saw fewer than ``algo.expert_min_tokens`` tokens (min-max rounding);
+    ``anchors``: Linear → the weights its method rounded, where they are not the layer's
+    weights (GPTQ), for learned rounding (:mod:`lowbit.quantization.roundpass`) to take.
     """
 
     model: nn.Module
@@ -59,6 +61,7 @@ class PassContext:
     kv_cache_kwarg: str | None
     keep_qtensors: bool
     expert_of: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    anchors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # learned rounding's starts
 
     @property
     def method(self) -> WeightMethod:
@@ -190,6 +193,8 @@ class LayerPass:
             for n, q in zip(batch_names, result.split([w.shape[0] for w in ws])):
                 if q.qtensor is not None and ctx.keep_qtensors:
                     state.weights[n] = q.qtensor
+                if q.anchor is not None:
+                    ctx.anchors[n] = q.anchor
                 modules[n].weight.copy_(q.weight.to(modules[n].weight.dtype))
                 state.weight_schemes[n] = scheme
         if st.absmax is not None:

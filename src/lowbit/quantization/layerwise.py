@@ -44,6 +44,7 @@ from ..util.device import move
 from ..util.progress import staged_progress
 from .methods import RotationConfig
 from .recipe import Recipe
+from .roundpass import LayerRounding, check_round_opt
 from .runtime import ActQuant, QuantState, quantized_activations
 from .transforms import (balance, balance_groups, residual_rotation_supported, rotate_down_input, rotate_residual_ends,
                          rotate_residual_layer)
@@ -125,6 +126,7 @@ def _refuse_on_moe(model: nn.Module, algo) -> None:
         ("rotations", algo.rotation is not None),
         ("SmoothQuant", algo.smoothquant is not None),
         ("AWQ (its scales would move through the norm that also feeds the router)", algo.awq is not None),
+        ("learned rounding (round_opt)", algo.round_opt is not None),
     ) if on]
     if missing and expert_modules(model):
         raise ValueError(
@@ -211,6 +213,7 @@ def quantize_layerwise(
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
+    check_round_opt(recipe, plan)
     experts = expert_groups(model)
     online, rotate = _rotations(model, algo.rotation)
     modules = dict(model.named_modules())
@@ -232,11 +235,12 @@ def quantize_layerwise(
         total = sum(x.shape[0] * x.shape[1] for x in inputs)
         sample_every = max(1, total // tokens)
     siblings = sibling_groups(model)
-    times = {"balancing": 0.0, "pass": 0.0, "weights": 0.0}
+    times = {"balancing": 0.0, "pass": 0.0, "weights": 0.0, "rounding": 0.0}
     ctx = PassContext(model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every,
                       kv_cache_kwarg=cache_kwarg(model) if recipe.kv_cache is not None else None,
-                      keep_qtensors=keep_qtensors,
+                      keep_qtensors=keep_qtensors or algo.round_opt is not None,  # round_opt starts from them
                       expert_of=_expert_index(model))
+    rounding = LayerRounding(algo.round_opt, inputs) if algo.round_opt is not None else None
     method = ctx.method.label
     with heap.map_large_allocations():  # see lowbit.util.heap
         for i, stage in staged_progress(range(len(layers)), f"quantizing {recipe.name} layer by layer",
@@ -255,12 +259,23 @@ def quantize_layerwise(
                 _balance_layer(model, i, arch, layers[i], inputs, layer_kwargs[i], modules, plan, leader, online,
                                algo, sample_every, prefix)
                 times["balancing"] += time.perf_counter() - t_b
+            if rounding is not None:
+                stage("float targets")
+                t_r = time.perf_counter()
+                rounding.before(layers[i], inputs, layer_kwargs[i], [n for n in lnames if plan.get(n, (None,))[0]],
+                                prefix, modules)
+                times["rounding"] += time.perf_counter() - t_r
             stage("statistics")
             t_p = time.perf_counter()
             with all_tokens_to_every_expert(layers[i]) if algo.experts_see_all_tokens else _nothing():
                 inputs, weight_seconds = layer_pass.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
             times["weights"] += weight_seconds
             times["pass"] += time.perf_counter() - t_p - weight_seconds
+            if rounding is not None:  # tune the layer's rounding; its outputs are computed again
+                stage("learned rounding")
+                t_r = time.perf_counter()
+                inputs = rounding.after(i, layers[i], layer_kwargs[i], modules, state, keep_qtensors, ctx.anchors)
+                times["rounding"] += time.perf_counter() - t_r
             if home is not None:
                 offload(layers[i], home, state, stats, prefix)
             if on_layer is not None:

@@ -31,7 +31,7 @@ import yaml
 from ..numerics.scheme import Scheme, scheme_from_dict
 from ..util.validate import check_keys, from_mapping
 from .kvconfig import KVConfig
-from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConfig, SmoothQuantConfig
+from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConfig, RoundOptConfig, SmoothQuantConfig
 
 __all__ = ["Rule", "KVConfig", "Recipe", "Algorithms", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
 
@@ -56,10 +56,11 @@ class Rule:
 class Algorithms:
     """Calibration methods, applied in a fixed order by the layer-by-layer pipeline:
     rotations → balancing (SmoothQuant or AWQ) → weight quantizer (GPTQ, or RTN with an
-    observer) → activation and KV calibration.  An illegal order cannot be written.
+    observer) → learned rounding (``round_opt``, started from the weight quantizer's
+    result) → activation and KV calibration.  An illegal order cannot be written.
 
     Attributes:
-        rotation, smoothquant, awq, gptq, outliers: the method's settings
+        rotation, smoothquant, awq, gptq, outliers, round_opt: the method's settings
             (:mod:`lowbit.quantization.methods`), or ``None``: not run.
         observer: ``minmax`` or ``mse`` (clipping search) — how RTN and GPTQ choose scales.
         mse_importance: weight the MSE search by each input channel's mean x².
@@ -78,6 +79,7 @@ class Algorithms:
     observer: str = "minmax"
     mse_importance: bool = False
     outliers: OutlierConfig | None = None
+    round_opt: RoundOptConfig | None = None
     batch: int = 4
     expert_min_tokens: int = 16
     experts_see_all_tokens: bool = False
@@ -89,6 +91,11 @@ class Algorithms:
                 raise ValueError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
         if self.smoothquant is not None and self.awq is not None:
             raise ValueError("smoothquant and awq both rescale the same channels; choose one")
+        if self.round_opt is not None:
+            other = [k for k in ("rotation", "smoothquant", "outliers") if getattr(self, k) is not None]
+            if other:
+                raise ValueError(f"round_opt with {', '.join(other)} is not implemented (the trained layer would need "
+                                 "their online rotations or kept channels); it starts from min-max, MSE, AWQ or GPTQ")
         if self.observer not in ("minmax", "mse"):
             raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
         if self.batch < 1:
@@ -109,10 +116,12 @@ class Algorithms:
         if self.outliers is not None:
             return "outlier channels"
         if self.gptq is not None:
-            return "GPTQ"
-        if self.awq is not None and self.awq.clip:
-            return "AWQ clipping"
-        return "MSE search" if self.observer == "mse" else "min-max"
+            base = "GPTQ"
+        elif self.awq is not None and self.awq.clip:
+            base = "AWQ clipping"
+        else:
+            base = "MSE search" if self.observer == "mse" else "min-max"
+        return base + (" + learned rounding" if self.round_opt is not None else "")
 
 
 def _method(cls):
@@ -291,6 +300,17 @@ RECIPES: dict[str, Recipe] = {
                 "int4-g64-asym", algorithms={"awq": {"clip": False}, **_GPTQ_MSE}),
         _preset("w4a16-awq-gptq-g128-asym", "W4A16 INT4 g128 asymmetric, AWQ scales then GPTQ (weighted-MSE scales)",
                 "int4-g128-asym", algorithms={"awq": {"clip": False}, **_GPTQ_MSE}),
+        _preset("w4a16-int4-g64-ro", "W4A16 INT4 g64, learned rounding and clipping per decoder layer (from min-max)",
+                "int4-g64", algorithms={"round_opt": {}}),
+        _preset("w4a16-int4-g128-ro", "W4A16 INT4 g128, learned rounding and clipping per decoder layer (from min-max)",
+                "int4-g128", algorithms={"round_opt": {}}),
+        _preset("w4a16-gptq-ro-g64", "W4A16 INT4 g64, GPTQ (weighted-MSE scales) then learned rounding and clipping",
+                "int4-g64", algorithms={**_GPTQ_MSE, "round_opt": {}}),
+        _preset("w4a16-awq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping) then learned rounding",
+                "int4-g64-asym", algorithms={"awq": {}, "round_opt": {}}),
+        _preset("w4a16-awq-gptq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales, GPTQ (weighted-MSE scales), "
+                "then learned rounding and clipping", "int4-g64-asym",
+                algorithms={"awq": {"clip": False}, **_GPTQ_MSE, "round_opt": {}}),
         _preset("w8a8-int8-sq-gptq", "W8A8 INT8 (per-channel / per-token dynamic), SmoothQuant 0.8 + GPTQ",
                 "int8-channel", "int8-token", algorithms={"smoothquant": {"alpha": 0.8}, "gptq": {}}),
         _preset("w8a8-int8-static-sq", "W8A8 INT8 static per-tensor activations, SmoothQuant 0.8",

@@ -27,12 +27,15 @@ class QuantizedWeight:
 
     ``weight``: the new values (dequantized, float); ``qtensor``: its codes and scales, or
     ``None`` when some input channels stay in high precision; ``keep``: those channels'
-    indices (outlier channels), else ``None``.
+    indices (outlier channels), else ``None``; ``anchor``: for learned rounding after GPTQ,
+    the weights as GPTQ rounded them (:func:`~lowbit.quantization.algorithms.gptq`'s
+    ``rounding_inputs``), else ``None``.
     """
 
     weight: torch.Tensor  # (out, in)
     qtensor: QTensor | None
     keep: torch.Tensor | None = None
+    anchor: torch.Tensor | None = None
 
     def split(self, rows: list[int]) -> list["QuantizedWeight"]:
         """The members of a stack of weights quantized together, in order."""
@@ -46,9 +49,9 @@ class QuantizedWeight:
         def parts(x):
             return torch.split(x, rows) if x is not None else [None] * len(rows)
 
-        return [QuantizedWeight(w, QTensor(c, s, z, q.global_scale, q.scheme, ss, sm), None)
-                for w, c, s, z, ss, sm in zip(weights, parts(q.codes), parts(q.scale), parts(q.zero),
-                                              parts(q.super_scale), parts(q.super_min))]
+        return [QuantizedWeight(w, QTensor(c, s, z, q.global_scale, q.scheme, ss, sm), None, a)
+                for w, c, s, z, ss, sm, a in zip(weights, parts(q.codes), parts(q.scale), parts(q.zero),
+                                                 parts(q.super_scale), parts(q.super_min), parts(self.anchor))]
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,13 @@ class WeightMethod:
                 imp = importance[cols] if importance is not None else None
                 return A.mse_qparams(wg, scheme, importance=imp, global_scale=g)
 
-            qt = A.gptq(w, st.hessian, scheme, block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order,
-                        static_groups=cfg.static_groups, qparams_fn=observe if algo.observer == "mse" else None,
-                        global_scale=global_scale)
+            out = A.gptq(w, st.hessian, scheme, block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order,
+                         static_groups=cfg.static_groups, qparams_fn=observe if algo.observer == "mse" else None,
+                         global_scale=global_scale, rounding_inputs=algo.round_opt is not None)
+            if algo.round_opt is not None:  # learned rounding starts from the weights GPTQ rounded
+                qt, anchor = out
+                return QuantizedWeight(dequantize(qt), qt, None, anchor)
+            qt = out
         elif algo.awq is not None and algo.awq.clip:
             qt = quantize_tensor(w, scheme, A.awq_clip(st.x, w, scheme, global_scale=global_scale))
         elif algo.observer == "mse":

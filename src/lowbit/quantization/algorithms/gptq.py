@@ -40,7 +40,8 @@ def gptq(
     static_groups: bool = False,
     qparams_fn: QParamsFn | None = None,
     global_scale: torch.Tensor | None = None,
-) -> QTensor:
+    rounding_inputs: bool = False,
+) -> QTensor | tuple[QTensor, torch.Tensor]:
     """GPTQ (Frantar et al., ICLR 2023), Algorithm 1: quantize ``w`` column by column,
     spreading each column's rounding error over the columns not yet quantized so that
     ``‖(W − Ŵ) Xᵀ‖²`` stays small, with lazy batch updates and the Cholesky form of H⁻¹.
@@ -74,6 +75,10 @@ def gptq(
             default min-max (:func:`lowbit.numerics.qtensor.compute_qparams`).
         global_scale: for a scheme with a global scale, use this one (e.g. shared by
             fused siblings) instead of computing it from ``w``.
+        rounding_inputs: also return the ``(out, in)`` weights each column had when it was
+            rounded (the original column plus the error fed back to it): rounding them to
+            nearest at the returned scales gives the returned codes.  Learned rounding
+            (:func:`~lowbit.quantization.algorithms.optimize_rounding`) starts from them.
 
     Returns:
         The :class:`QTensor` in storage (original column) order; ``dequantize`` of it is
@@ -140,6 +145,7 @@ def gptq(
     U = _upper_cholesky_of_inverse(H, damp)                      # (in, in), H⁻¹ = Uᵀ U
 
     Qt = torch.empty_like(Wt)                                    # (in, out) element values (with zero)
+    Pt = torch.empty_like(Wt) if rounding_inputs else None       # (in, out) the columns as rounded
     col_scale: list[tuple | None] = [None] * n_groups            # per group: _per_row's (s, safe, z)
     # `in` rounds of small vector ops: extra threads would only add synchronisation
     with _one_thread():
@@ -162,6 +168,8 @@ def gptq(
                 w_col = W1[i]                                        # (out,)
                 q, w_hat = _round_column(w_col, s, safe, z, fmt, t is not None)
                 Qt[i1 + i] = q
+                if Pt is not None:
+                    Pt[i1 + i] = w_col
                 err = E1[i]
                 torch.sub(w_col, w_hat, out=err).div_(d[i])          # (out,)
                 if i + 1 < i2 - i1:
@@ -175,7 +183,8 @@ def gptq(
     supers = [None if getattr(qps[0], f) is None else torch.cat([getattr(qp, f) for qp in qps], dim=1)
               for f in ("super_scale", "super_min")]                # GGUF k-quants' (R, super-blocks)
     codes = fmt.encode(Qv).reshape(w.shape)
-    return QTensor(codes, scale, zero, global_scale, scheme, *supers)
+    qt = QTensor(codes, scale, zero, global_scale, scheme, *supers)
+    return (qt, Pt.T[:, inv_perm].contiguous()) if Pt is not None else qt
 
 
 def _split_groups(qp: QParams, n_obs: int, per: int = 1) -> list[QParams]:

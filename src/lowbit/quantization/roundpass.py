@@ -1,0 +1,131 @@
+"""Learned rounding in the layer-by-layer pass: each decoder layer, once its weight method
+has quantized it, has its rounding offsets and clip factors tuned against its float outputs
+(:func:`lowbit.quantization.algorithms.optimize_rounding`), and its outputs — the next
+layer's inputs — are computed again with the tuned weights.
+
+Per layer, :meth:`LayerRounding.before` (the layer still in float, after AWQ balancing)
+keeps the layer's float weights, a copy of its inputs and the training targets;
+:meth:`LayerRounding.after` (after the layer's pass) trains, writes the weights and their
+QTensors, and returns the layer's new outputs.  Only one layer's copies are alive at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..numerics.qtensor import dequantize
+from . import algorithms as A
+from .methods import RoundOptConfig
+from .recipe import Recipe
+from .runtime import QuantState
+
+__all__ = ["LayerRounding", "check_round_opt"]
+
+log = logging.getLogger(__name__)
+
+
+def check_round_opt(recipe: Recipe, plan: dict) -> None:
+    """Refuse, before any work, what learned rounding does not do yet: quantized inputs
+    and a quantized KV cache (the trained layer would have to run their quantizers)."""
+    if recipe.algorithms.round_opt is None:
+        return
+    quantized_inputs = sorted(n for n, (_, i) in plan.items() if i is not None)
+    if quantized_inputs:
+        raise NotImplementedError(
+            f"round_opt with quantized inputs is not implemented ({len(quantized_inputs)} Linears, e.g. "
+            f"{quantized_inputs[0]}): the trained layer does not run activation quantizers; use a weight-only recipe")
+    if recipe.kv_cache is not None:
+        raise NotImplementedError("round_opt with a quantized KV cache is not implemented; use a weight-only recipe")
+
+
+def _out(o):
+    return o[0] if isinstance(o, tuple) else o
+
+
+class LayerRounding:
+    """Learned rounding over a run: the training windows (and, for ``target: float``, their
+    float stream through the layers) and one layer's work at a time."""
+
+    def __init__(self, cfg: RoundOptConfig, inputs: list[torch.Tensor]) -> None:
+        self.cfg = cfg
+        first, need = [], cfg.windows
+        for x in inputs:                           # the first `windows` calibration windows
+            if need <= 0:
+                break
+            first.append(x[:need].clone())
+            need -= first[-1].shape[0]
+        self.float_in = list(torch.cat(first).split(cfg.batch)) if cfg.target == "float" else None
+        self.seconds = 0.0
+        self.losses: list[tuple[float, float]] = []  # per layer: training loss at the start and kept
+        self._saved: dict | None = None
+
+    @torch.no_grad()
+    def before(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs: dict, names: list[str], prefix: str,
+               modules: dict[str, nn.Module]) -> None:
+        """Layer still in float: keep its weights (``names``: its quantized Linears), its
+        inputs, and the targets of the training windows."""
+        cfg = self.cfg
+        train, need = [], cfg.windows
+        for x in inputs:
+            if need <= 0:
+                break
+            train.append(x[:need].clone())
+            need -= train[-1].shape[0]
+        train_in = list(torch.cat(train).split(cfg.batch))
+        source = self.float_in if cfg.target == "float" else train_in
+        targets = [_out(layer(x, **kwargs)) for x in source]
+        if self.float_in is not None:
+            self.float_in = targets                # the float model's inputs of the next layer
+        self._saved = {
+            "weights": {n: modules[n].weight.detach().clone() for n in names},
+            "inputs": [x.clone() for x in inputs],
+            "batches": list(zip(train_in, targets)),
+            "prefix": prefix,
+        }
+
+    @torch.no_grad()
+    def after(self, i: int, layer: nn.Module, kwargs: dict, modules: dict[str, nn.Module], state: QuantState,
+              keep_qtensors: bool, anchors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Train layer ``i``'s rounding from the QTensors its pass left in ``state``, with
+        offsets on the float weights or, where its method left one in ``anchors`` (GPTQ:
+        the weights as it rounded them; taken out of the dict), on that; write the tuned
+        weights (and QTensors, when kept); return its outputs on the kept inputs."""
+        t0 = time.perf_counter()
+        saved, self._saved = self._saved, None
+        cfg, prefix = self.cfg, saved["prefix"]
+        weights = {n: anchors.pop(n, w) for n, w in saved["weights"].items()}
+        missing = [n for n in weights if n not in state.weights]
+        if missing:
+            raise RuntimeError(f"layer {i}: no QTensor to start learned rounding from for {missing}")
+        local = {n: n[len(prefix) + 1:] + ".weight" for n in weights}
+
+        def forward(ws: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return _out(functional_call(layer, {local[n]: w for n, w in ws.items()}, (x,), kwargs))
+
+        grads = [(p, p.requires_grad) for p in layer.parameters()]
+        for p, _ in grads:
+            p.requires_grad_(False)
+        try:
+            result = A.optimize_rounding(forward, weights, {n: state.weights[n] for n in weights}, saved["batches"],
+                                         steps=cfg.steps, lr=cfg.lr, clip_lr=cfg.clip_lr, learn_clip=cfg.learn_clip,
+                                         clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads)
+        finally:
+            for p, flag in grads:
+                p.requires_grad_(flag)
+        for n, qt in result.qtensors.items():
+            modules[n].weight.copy_(dequantize(qt, modules[n].weight.dtype))
+            if keep_qtensors:
+                state.weights[n] = qt
+            else:
+                del state.weights[n]
+        self.losses.append((result.loss_init, result.loss_final))
+        log.info("layer %d learned rounding: block-output MSE %.4g → %.4g (%d steps)", i, result.loss_init,
+                 result.loss_final, result.steps)
+        outputs = [_out(layer(x, **kwargs)) for x in saved["inputs"]]
+        self.seconds += time.perf_counter() - t0
+        return outputs

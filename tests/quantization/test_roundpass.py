@@ -1,0 +1,111 @@
+"""Learned rounding in the layer-by-layer pass (``algorithms: {round_opt: ...}``): with zero
+steps it is its weight method bit for bit; with steps no layer ends above its start on its
+training windows; what it cannot do yet is refused before any work; it exports."""
+
+import logging
+import re
+
+import pytest
+import torch
+
+from lowbit.numerics.qtensor import dequantize
+from lowbit.quantization.pipeline import quantize
+from lowbit.quantization.recipe import RECIPES, recipe_from_dict
+from tinymodels import token_windows, wide_llama
+
+
+def _recipe(weights="int4-g64", inputs=None, kv=None, **algorithms):
+    d = {"name": "ro", "weights": weights, "algorithms": algorithms}
+    if inputs:
+        d["inputs"] = inputs
+    if kv:
+        d["kv_cache"] = {"scheme": kv}
+    return recipe_from_dict(d)
+
+
+def _run(recipe, n=8):
+    model = wide_llama().requires_grad_(False)
+    state = quantize(model, recipe, token_windows(n, 16), keep_qtensors=True, progress=False)
+    return model, state
+
+
+@pytest.mark.parametrize("base", [{}, {"gptq": {}, "observer": "mse", "mse_importance": True}, {"awq": {}}])
+def test_zero_steps_is_the_weight_method_bit_for_bit(base):
+    weights = "int4-g64-asym" if "awq" in base else "int4-g64"
+    m0, s0 = _run(_recipe(weights, **base))
+    m1, s1 = _run(_recipe(weights, **base, round_opt={"steps": 0, "windows": 4}))
+    assert s0.weights.keys() == s1.weights.keys() and s0.weights
+    for n, qt in s0.weights.items():
+        assert torch.equal(qt.codes, s1.weights[n].codes) and torch.equal(qt.scale, s1.weights[n].scale), n
+    p1 = dict(m1.named_parameters())
+    for n, p in m0.named_parameters():
+        assert torch.equal(p, p1[n]), n
+
+
+_LOSS = re.compile(r"layer (\d+) learned rounding: block-output MSE (\S+) → (\S+)")
+
+
+@pytest.mark.parametrize("target, base", [("float", {}), ("layer", {}), ("float", {"gptq": {}}),
+                                          ("float", {"awq": {"clip": False}, "gptq": {}, "observer": "mse"})])
+def test_no_layer_ends_above_its_start_and_the_weights_are_the_qtensors(caplog, target, base):
+    caplog.set_level(logging.INFO, logger="lowbit.quantization.roundpass")
+    model, state = _run(_recipe(**base, round_opt={"steps": 12, "windows": 4, "batch": 2, "target": target,
+                                                   "lr": 0.05}))
+    losses = [(int(i), float(a), float(b)) for i, a, b in _LOSS.findall(caplog.text)]
+    assert [i for i, _, _ in losses] == [0, 1]
+    assert all(b <= a for _, a, b in losses), losses
+    mods = dict(model.named_modules())
+    for n, qt in state.weights.items():
+        assert torch.equal(mods[n].weight, dequantize(qt, mods[n].weight.dtype)), n
+
+
+def test_qtensors_are_dropped_when_not_kept():
+    model = wide_llama().requires_grad_(False)
+    state = quantize(model, _recipe(round_opt={"steps": 2, "windows": 2}), token_windows(4, 16), progress=False)
+    assert not state.weights
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"steps": -1}, "steps"), ({"target": "teacher"}, "target"), ({"clip_min": 0.0}, "clip_min"),
+    ({"windows": 2, "batch": 4}, "batch"), ({"lr": 0}, "lr"), ({"clip_lr": -1.0}, "clip_lr"), ({"checks": 0}, "checks"),
+    ({"stepz": 3}, "unknown key"), ({"steps": "many"}, "expected int"), ({"threads": -1}, "threads"),
+])
+def test_bad_settings_are_refused_when_the_recipe_is_read(settings, match):
+    with pytest.raises(ValueError, match=match):
+        _recipe(round_opt=settings)
+
+
+def test_what_it_does_not_do_yet_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="round_opt with rotation"):
+        _recipe(rotation={}, round_opt={})
+    with pytest.raises(ValueError, match="round_opt with outliers"):
+        _recipe(outliers={}, round_opt={})
+    model = wide_llama()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(NotImplementedError, match="quantized inputs"):
+        quantize(model, _recipe("int8-channel", inputs="int8-token", round_opt={}), token_windows(2, 16),
+                 progress=False)
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        quantize(model, _recipe(kv="fp8-tensor", round_opt={}), token_windows(2, 16), progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_presets():
+    for name in ("w4a16-int4-g64-ro", "w4a16-int4-g128-ro", "w4a16-gptq-ro-g64", "w4a16-awq-ro-g64-asym",
+                 "w4a16-awq-gptq-ro-g64-asym"):
+        algo = RECIPES[name].algorithms
+        assert algo.round_opt is not None and algo.layerwise
+    assert RECIPES["w4a16-awq-ro-g64-asym"].algorithms.weight_method == "AWQ clipping + learned rounding"
+
+
+def test_export_round_trip(tmp_path):
+    """compressed-tensors decompresses the written folder to the very weights lowbit ran."""
+    pytest.importorskip("compressed_tensors")
+    from lowbit.checkpoint.write import export
+    from lowbit.models.loading import read_into
+
+    model, state = _run(_recipe("int4-g64-asym", awq={}, round_opt={"steps": 6, "windows": 4}))
+    export(model, state, tmp_path / "ro", dtype=torch.float32)
+    back = dict(read_into(wide_llama(), tmp_path / "ro").named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(back[n], p), n
