@@ -43,7 +43,8 @@ class PassContext:
     ``sample_every``: AWQ's token sampling stride (0: none); ``kv_cache_kwarg``: the
     forward keyword of the KV cache when K/V scales are calibrated, else ``None``;
     ``expert_of``: MoE expert Linear → ``(experts module, expert index)``, for the rule on
-    experts that saw fewer than ``algo.expert_min_tokens`` tokens (min-max rounding).
+    experts that saw fewer than ``algo.expert_min_tokens`` tokens (min-max rounding);
+    ``expert_sample_every``: AWQ's sampling stride for expert inputs.
     """
 
     model: nn.Module
@@ -59,6 +60,7 @@ class PassContext:
     kv_cache_kwarg: str | None
     keep_qtensors: bool
     expert_of: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    expert_sample_every: int = 0  # AWQ's stride for expert inputs (lowbit.quantization.balancing)
 
     @property
     def method(self) -> WeightMethod:
@@ -109,6 +111,7 @@ class LayerPass:
 
         def hook_for(n):
             g, rot = leader[n], ctx.online.get(n)
+            every = ctx.expert_sample_every if g in ctx.expert_of else ctx.sample_every
 
             def hook(mod, args):
                 x = args[0]
@@ -117,7 +120,7 @@ class LayerPass:
                 if g not in done:
                     istats.setdefault(g, InputStats()).add(
                         x, absmax=need_absmax, gram=ctx.need_h, squares=squares,
-                        sample_every=ctx.sample_every, bf16_gram=bf16_gram)
+                        sample_every=every, bf16_gram=bf16_gram)
                     meeting[0](g)
                 aq = acts.get(n)
                 return ((aq(x) if aq is not None else x),) + tuple(args[1:])

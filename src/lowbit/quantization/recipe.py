@@ -66,7 +66,7 @@ class Algorithms:
         batch: calibration windows per layer forward.
         expert_min_tokens: a MoE expert whose inputs got fewer calibration tokens than this
             is rounded to nearest (min-max) instead of by the weight method (its statistics
-            are too few to trust); counted and logged per layer.
+            are too few to trust), and gets no AWQ / SmoothQuant scale; counted and logged per layer.
         experts_see_all_tokens: for the statistics, every expert computes on every
             calibration token, not only those routed to it (the outputs stay the routed ones).
     """
