@@ -22,7 +22,8 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 
 E, L = 8, 2
 CASES = [("qwen3_moe", "w4a16-int4-g64"), ("mixtral", "w4a16-int4-g64-asym"), ("qwen3_moe", "fp8-dynamic"),
-         ("mixtral", "w8a16-int8"), ("qwen3_moe", "w4a16-nvfp4"), ("mixtral", "w4a16-mxfp4")]
+         ("mixtral", "w8a16-int8"), ("qwen3_moe", "w4a16-nvfp4"), ("mixtral", "w4a16-mxfp4"),
+         ("qwen2_moe", "w4a16-int4-g64")]
 
 
 def _tokenizer(byte_bpe_tokenizer):
@@ -65,6 +66,12 @@ def test_per_expert_layout_and_names(exported):
         assert torch.equal(tensors[f"{name}.weight"], model.model.layers[i].mlp.gate.weight)  # kept exact
         assert name in qc["ignore"]
     assert not any(".experts." in n for n in qc["ignore"])
+    if kind == "qwen2_moe":  # the shared expert is quantized like a dense MLP, its gate kept exact
+        for i in range(L):
+            shared = f"model.layers.{i}.mlp.shared_expert"
+            assert {f"{shared}.{lin}.weight_scale" for lin in linears} <= set(tensors)
+            assert torch.equal(tensors[f"{shared}_gate.weight"], model.model.layers[i].mlp.shared_expert_gate.weight)
+            assert f"{shared}_gate" in qc["ignore"] and not any(n.startswith(f"{shared}.") for n in qc["ignore"])
 
 
 def test_decompressors_read_every_expert_bit_for_bit(exported):
