@@ -60,7 +60,9 @@ def test_per_expert_layout_and_names(exported):
     assert scale_keys == {f"model.layers.{i}.{experts}.{e}.{lin}.weight_scale"
                           for i in range(L) for e in range(E) for lin in linears}
     router = "block_sparse_moe.gate" if kind == "mixtral" else "mlp.gate"
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert cfg["architectures"] == [type(model).__name__]  # built from a config, yet named: vLLM picks its class by it
     for i in range(L):
         name = f"model.layers.{i}.{router}"
         assert torch.equal(tensors[f"{name}.weight"], model.model.layers[i].mlp.gate.weight)  # kept exact
