@@ -58,7 +58,10 @@ def balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, 
     ``expert_of``: MoE expert Linear → ``(experts module, index)``; ``expert_every``: the
     sampling stride of expert inputs (:func:`expert_sample_every`)."""
     expert_of = expert_of or {}
-    istats = {n: InputStats() for n in set(leader.values())}
+    groups = balance_groups(model, i, arch)
+    # only the inputs some group balances: a MoE layer's expert gate/up inputs (one sample per
+    # expert, hidden wide) would otherwise be held for nothing until the layer is done
+    istats = {leader[names[0]]: InputStats() for _, _, _, names in groups if names[0] in leader}
     rot_only = {n: ActQuant(None, rotation=online[n]) for n in leader if n in online}
 
     def hook_for(n):
@@ -85,7 +88,7 @@ def balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, 
             for hd in handles:
                 hd.remove()
     few: dict[str, list[int]] = {}
-    for prev, prev_name, nexts, next_names in balance_groups(model, i, arch):
+    for prev, prev_name, nexts, next_names in groups:
         quantized = [n for n in next_names if n in plan and plan[n][0] is not None]
         if not quantized:
             continue
