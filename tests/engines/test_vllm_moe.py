@@ -4,8 +4,8 @@ loader on the same windows; the log-probabilities agree.  Which quantized MoE sc
 build runs: docs/moe.md.
 
 Status (2026-12-02): written but NOT YET RUN — the shared CPU was held by other jobs for the
-rest of the session that wrote it; the first probe (head_dim 16) showed the folder loads and
-vLLM's CPU attention refuses head_dim 16, hence head_dim 64 here."""
+rest of the session that wrote it; the first probe (head_dim 16) failed in vLLM's CPU attention
+("Unsupported CPU attention configuration: head_dim=16"), hence head_dim 64 here."""
 
 import subprocess
 
