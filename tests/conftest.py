@@ -77,17 +77,23 @@ def tiny_folder(tmp_path_factory):
     return write_model(root / "model", tok), corpus
 
 
-def _tiny_moe(kind: str = "qwen3_moe", experts: int = 8, layers: int = 2):
-    """A tiny Qwen3-MoE or Mixtral (transformers' fused-experts layout), seeded, with a
-    router scaled up so that routing is real (not near-uniform)."""
+def _tiny_moe(kind: str = "qwen3_moe", experts: int = 8, layers: int = 2, head_dim: int = 16):
+    """A tiny Qwen3-MoE, Mixtral or Qwen2-MoE (a shared expert and its gate beside the routed
+    ones) in transformers' fused-experts layout, seeded, with a router scaled up so that
+    routing is real (not near-uniform).  ``head_dim``: vLLM's CPU attention takes 32, 64, 80, ... (not 16)."""
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=128,
                   num_experts_per_tok=2)
     if kind == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=64, num_experts=experts, **common))
+    elif kind == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                                                   num_experts=experts, **common))
     else:
         from transformers import MixtralConfig, MixtralForCausalLM
 

@@ -22,7 +22,8 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 
 E, L = 8, 2
 CASES = [("qwen3_moe", "w4a16-int4-g64"), ("mixtral", "w4a16-int4-g64-asym"), ("qwen3_moe", "fp8-dynamic"),
-         ("mixtral", "w8a16-int8"), ("qwen3_moe", "w4a16-nvfp4"), ("mixtral", "w4a16-mxfp4")]
+         ("mixtral", "w8a16-int8"), ("qwen3_moe", "w4a16-nvfp4"), ("mixtral", "w4a16-mxfp4"),
+         ("qwen2_moe", "w4a16-int4-g64")]
 
 
 def _tokenizer(byte_bpe_tokenizer):
@@ -59,12 +60,20 @@ def test_per_expert_layout_and_names(exported):
     assert scale_keys == {f"model.layers.{i}.{experts}.{e}.{lin}.weight_scale"
                           for i in range(L) for e in range(E) for lin in linears}
     router = "block_sparse_moe.gate" if kind == "mixtral" else "mlp.gate"
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert cfg["architectures"] == [type(model).__name__]  # built from a config, yet named: vLLM picks its class by it
     for i in range(L):
         name = f"model.layers.{i}.{router}"
         assert torch.equal(tensors[f"{name}.weight"], model.model.layers[i].mlp.gate.weight)  # kept exact
         assert name in qc["ignore"]
     assert not any(".experts." in n for n in qc["ignore"])
+    if kind == "qwen2_moe":  # the shared expert is quantized like a dense MLP, its gate kept exact
+        for i in range(L):
+            shared = f"model.layers.{i}.mlp.shared_expert"
+            assert {f"{shared}.{lin}.weight_scale" for lin in linears} <= set(tensors)
+            assert torch.equal(tensors[f"{shared}_gate.weight"], model.model.layers[i].mlp.shared_expert_gate.weight)
+            assert f"{shared}_gate" in qc["ignore"] and not any(n.startswith(f"{shared}.") for n in qc["ignore"])
 
 
 def test_decompressors_read_every_expert_bit_for_bit(exported):

@@ -5,14 +5,14 @@ import torch
 
 from lowbit.evaluation.analysis import sensitivity
 from lowbit.evaluation.compare import Workbench, compare
-from lowbit.models.experts import ExpertLinears
+from lowbit.models.experts import ExpertLinears, expert_units, unfuse_experts
 from lowbit.models.loading import ModelInfo, load_model
 from lowbit.quantization.recipe import RECIPES
 
 
-def _bench(model, tmp_path):
+def _bench(model, tmp_path, windows=(3, 16)):
     g = torch.Generator().manual_seed(1)
-    windows = torch.randint(0, 256, (3, 16), generator=g)
+    windows = torch.randint(0, 256, windows, generator=g)
     calib = torch.randint(0, 256, (4, 16), generator=g)
     info = ModelInfo("tiny-moe", tmp_path / "model", False, "")
     return Workbench(model, None, info, windows, calib, "synthetic", 0, tmp_path / "cache", kl_topk=64, progress=False)
@@ -24,7 +24,7 @@ def test_compare_and_sensitivity_on_moe(tiny_moe, tmp_path):
     ref, int8, int4, fp8, gptq = (r.eval for r in res.rows)
     assert ref.kl_mean is None and 0 < int8.kl_mean < int4.kl_mean
     assert fp8.kl_mean > 0 and gptq.kl_mean > 0  # static expert-input scales; GPTQ per expert
-    sens = sensitivity(bench, RECIPES["w4a16-int4-tensor"], by_layer=False)
+    sens = sensitivity(bench, RECIPES["w4a16-int4-tensor"], by_layer=False, by_expert=False)
     by_name = {r.target: r.row.eval.kl_mean for r in sens.rows}
     assert set(by_name) >= {"mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.*.down_proj"}
     assert all(v > 0 for v in by_name.values())  # each glob quantized something
@@ -43,3 +43,38 @@ def test_moe_folder_loads_with_per_expert_linears(tiny_moe_builder, tmp_path, by
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_per_layer_sensitivity_ranks_each_expert(tiny_moe, tmp_path):
+    """`compare --per-layer` on a MoE: every routed expert of every layer is a unit of its
+    own; an expert no evaluation token is routed to changes nothing when quantized (KL 0),
+    one that tokens reach does, and the ranking puts the damaging ones first.  (The last
+    position of a window predicts nothing, so tokens routed there do not count.)"""
+    units = expert_units(tiny_moe)  # named as after unfusing, from the fused layout
+    assert units[:2] == ["model.layers.0.mlp.experts.0", "model.layers.0.mlp.experts.1"] and len(units) == 2 * 8
+    unfuse_experts(tiny_moe)  # as load_model leaves a MoE folder
+    assert expert_units(tiny_moe) == units
+    bench = _bench(tiny_moe, tmp_path, windows=(1, 8))
+    routed = {}
+
+    def hook_for(i):
+        def hook(mod, args, out):
+            for e in out[2][:-1].flatten().tolist():  # (positions, k) of the one window, the last left out
+                routed[f"model.layers.{i}.mlp.experts.{e}"] = routed.get(f"model.layers.{i}.mlp.experts.{e}", 0) + 1
+        return hook
+
+    handles = [layer.mlp.gate.register_forward_hook(hook_for(i)) for i, layer in enumerate(tiny_moe.model.layers)]
+    tiny_moe(bench.windows)
+    for h in handles:
+        h.remove()
+    sens = sensitivity(bench, RECIPES["w4a16-int4-tensor"], by_type=False, by_layer=False)
+    assert [r.kind for r in sens.rows] == ["expert"] * len(units)
+    kl = {r.target: r.row.eval.kl_mean for r in sens.rows}
+    assert set(kl) == set(units)
+    unrouted = [u for u in units if u not in routed]
+    assert unrouted and len(unrouted) < len(units)  # the windows are sized so that both cases occur
+    assert all(kl[u] == 0 for u in unrouted)
+    assert all(kl[u] > 0 for u in routed)
+    values = [r.row.eval.kl_mean for r in sens.rows]
+    assert values == sorted(values, reverse=True)

@@ -186,6 +186,8 @@ def write_metadata(folder: Path, model: nn.Module, qc: dict, *, dtype: torch.dty
     cfg = model.config.to_dict()
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg["quantization_config"] = qc
+    if not cfg.get("architectures"):  # a model built from a config has none; engines pick their class by it
+        cfg["architectures"] = [type(model).__name__]
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = Path(source) / "generation_config.json" if source else None
     if gen is not None and gen.exists():

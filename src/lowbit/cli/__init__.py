@@ -107,7 +107,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.per_layer:
         bench = _bench(args, model, args.windows or 16)
         recipe = load_recipe(recipes[0] if args.recipes else "w4a16-int4-g128")
-        res = sensitivity(bench, recipe)
+        res = sensitivity(bench, recipe, by_expert=not args.skip_experts)
         render.print_tables(render.sensitivity_table(res.rows, recipe.name))
         _finish(res, args, f"sensitivity-{bench.info.name}")
         return 0
@@ -235,7 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipes", help="comma-separated recipe presets or YAML files (default: the notebook's set)")
     c.add_argument("--per-layer", action="store_true",
                    help="sensitivity: quantize one module type / decoder layer at a time with the first recipe "
-                        "(default w4a16-int4-g128) and rank them; default 16 windows")
+                        "(default w4a16-int4-g128) and rank them; default 16 windows. On a mixture-of-experts "
+                        "model each routed expert of each layer is a unit too (one evaluation each)")
+    c.add_argument("--skip-experts", action="store_true",
+                   help="with --per-layer on a mixture-of-experts model: rank module types and layers only")
     _eval_options(c, windows=None, tasks=True)
     c.set_defaults(func=cmd_compare)
 

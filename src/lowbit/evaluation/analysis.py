@@ -1,7 +1,8 @@
 """Where the damage comes from: per-module sensitivity, and the KV cache's signal and error.
 
-``sensitivity`` quantizes one module type (all q_proj, all down_proj, ...) or one decoder
-layer at a time and ranks them by KL divergence from the reference.  ``kv_stats`` looks
+``sensitivity`` quantizes one module type (all q_proj, all down_proj, ...), one decoder
+layer, or (mixture-of-experts models) one routed expert of one layer at a time and ranks
+them by KL divergence from the reference.  ``kv_stats`` looks
 at what each layer writes to the KV cache — the keys' range, median and outlier channels,
 the values' range — and at the error FP8 makes of it with one scale per layer and with
 one per head, next to the perplexity of K-only, V-only and per-head FP8 caches — and at the
@@ -21,6 +22,7 @@ from .compare import Comparison, Row, Workbench
 from ..numerics.granularity import HEAD
 from ..quantization.kv import cache_kwarg, make_cache, quantize_kv
 from ..models.arch import arch_of, decoder_layers
+from ..models.experts import expert_units
 from ..quantization.recipe import RECIPES, Recipe
 from ..quantization.runtime import input_device
 from ..numerics.scheme import PRESETS, Scheme
@@ -30,8 +32,8 @@ __all__ = ["SensitivityRow", "Sensitivity", "sensitivity", "KVLayerStats", "KVSt
 
 @dataclass(frozen=True)
 class SensitivityRow:
-    kind: str  # "type" or "layer"
-    target: str  # e.g. "mlp.down_proj" or "model.layers.3"
+    kind: str  # "type", "layer" or "expert"
+    target: str  # e.g. "mlp.down_proj", "model.layers.3" or "model.layers.3.mlp.experts.5"
     row: Row
 
     def to_dict(self) -> dict:
@@ -50,8 +52,11 @@ class Sensitivity:
                 "rows": [r.to_dict() for r in self.rows]}
 
 
-def sensitivity(bench: Workbench, recipe: Recipe, *, by_type: bool = True, by_layer: bool = True) -> Sensitivity:
-    """Quantize one module type, then one decoder layer, at a time; most damaging first."""
+def sensitivity(bench: Workbench, recipe: Recipe, *, by_type: bool = True, by_layer: bool = True,
+                by_expert: bool = True) -> Sensitivity:
+    """Quantize one module type, then one decoder layer, then (``by_expert``, MoE models
+    only) one routed expert — its gate, up and down — at a time; most damaging first.
+    Each unit is one evaluation: a MoE model adds one per expert per layer."""
     arch = arch_of(bench.model)
     out = []
     if by_type:
@@ -62,6 +67,9 @@ def sensitivity(bench: Workbench, recipe: Recipe, *, by_type: bool = True, by_la
         for i in range(len(decoder_layers(bench.model))):
             target = f"{arch.layers}.{i}"
             out.append(SensitivityRow("layer", target, bench.run(recipe, only=f"{target}.*")))
+    if by_expert:
+        for target in expert_units(bench.model):
+            out.append(SensitivityRow("expert", target, bench.run(recipe, only=f"{target}.*")))
     ranked = sorted(out, key=lambda r: -(r.row.eval.kl_mean or 0.0))
     return Sensitivity(bench.info.name, recipe.name, len(bench.windows), ranked)
 

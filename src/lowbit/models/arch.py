@@ -33,7 +33,11 @@ class Experts:
     ``path``: the experts module (transformers 5 holds it fused; lowbit runs it as per-expert
     Linears ``<path>.<e>.<gate|up|down>``, :mod:`lowbit.models.experts`); ``router``: the module
     whose weight scores the experts (kept in high precision); ``shared``: a shared expert's
-    module (its Linears are ordinary ones), if any.  ``checkpoint``: the names the model's
+    module, if any — a dense MLP every token goes through, its gate/up/down Linears named
+    like a routed expert's and quantized like a dense MLP's (its gate and up fused
+    siblings, its up → down a balancing group); ``shared_gate``: the Linear that scales
+    the shared expert's output per token (Qwen2-MoE's ``sigmoid(shared_expert_gate(x))``),
+    kept in high precision like the router (``DEFAULT_IGNORE``).  ``checkpoint``: the names the model's
     checkpoints and vLLM's loader use instead, if they differ (Mixtral:
     ``block_sparse_moe.experts.<e>.w1/w3/w2`` and ``block_sparse_moe.gate``).
     """
@@ -44,6 +48,7 @@ class Experts:
     up: str = "up_proj"
     down: str = "down_proj"
     shared: str | None = None
+    shared_gate: str | None = None
     #: (experts path, router, (gate, up, down)) as checkpoints name them, when not as lowbit does
     checkpoint: tuple[str, str, tuple[str, str, str]] | None = None
 
@@ -115,6 +120,9 @@ ARCHS: dict[str, Arch] = {
     "gemma3_text": _llama_like(qk_norm=True, needs_bos=True, post_norm="pre_feedforward_layernorm", norm_offset=1.0),
     # Qwen3-MoE checkpoints and vLLM name experts as lowbit does
     "qwen3_moe": _moe(Experts(path="mlp.experts", router="mlp.gate"), qk_norm=True),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): a shared expert beside the routed ones, its output gated per token
+    "qwen2_moe": _moe(Experts(path="mlp.experts", router="mlp.gate", shared="mlp.shared_expert",
+                              shared_gate="mlp.shared_expert_gate")),
     # Mixtral's checkpoints (and vLLM's loader) say block_sparse_moe and w1 (gate), w3 (up), w2 (down)
     "mixtral": _moe(Experts(path="mlp.experts", router="mlp.gate",
                             checkpoint=("block_sparse_moe.experts", "block_sparse_moe.gate", ("w1", "w3", "w2")))),
@@ -141,7 +149,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def expert_groups(model: nn.Module) -> list[tuple[str, ...]]:
     """Per expert of every MoE layer, its Linears that read one input and that runtimes fuse
-    (gate and up), as full module names; empty for a dense model."""
+    (gate and up), as full module names — the routed experts in order, then a shared
+    expert's; empty for a dense model."""
     arch = arch_of(model)
     e = arch.experts
     if e is None:
@@ -154,7 +163,17 @@ def expert_groups(model: nn.Module) -> list[tuple[str, ...]]:
             continue
         for k in range(len(experts) if isinstance(experts, nn.ModuleList) else 0):
             out.append(tuple(f"{arch.layers}.{i}.{e.path}.{k}.{n}" for n in (e.gate, e.up)))
+        if e.shared is not None and _has(layer, f"{e.shared}.{e.gate}"):
+            out.append(tuple(f"{arch.layers}.{i}.{e.shared}.{n}" for n in (e.gate, e.up)))
     return out
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def checkpoint_name(arch: Arch, name: str) -> str:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["ExpertLinears", "unfuse_experts", "expert_modules", "all_tokens_to_every_expert", "is_moe"]
+__all__ = ["ExpertLinears", "unfuse_experts", "expert_modules", "all_tokens_to_every_expert", "is_moe", "expert_units"]
 
 
 class _Expert(nn.Module):
@@ -116,6 +116,17 @@ def unfuse_experts(model: nn.Module) -> int:
 def expert_modules(model: nn.Module) -> dict[str, ExpertLinears]:
     """Every :class:`ExpertLinears` of ``model`` by module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, ExpertLinears)}
+
+
+def expert_units(model: nn.Module) -> list[str]:
+    """Every routed expert of ``model`` by the module name it has once unfused
+    (``model.layers.3.mlp.experts.5``), whether the experts are fused now or not; in layer
+    order, then expert order.  Empty for a dense model."""
+    out = []
+    for n, m in model.named_modules():
+        count = len(m) if isinstance(m, ExpertLinears) else m.gate_up_proj.shape[0] if _is_fused(m) else 0
+        out += [f"{n}.{e}" for e in range(count)]
+    return out
 
 
 @contextmanager

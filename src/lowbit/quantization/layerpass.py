@@ -46,6 +46,7 @@ class PassContext:
     experts that saw fewer than ``algo.expert_min_tokens`` tokens (min-max rounding);
     ``anchors``: Linear → the weights its method rounded, where they are not the layer's
     weights (GPTQ), for learned rounding (:mod:`lowbit.quantization.roundpass`) to take.
+    ``expert_sample_every``: AWQ's sampling stride for expert inputs.
     """
 
     model: nn.Module
@@ -62,6 +63,7 @@ class PassContext:
     keep_qtensors: bool
     expert_of: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     anchors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # learned rounding's starts
+    expert_sample_every: int = 0  # AWQ's stride for expert inputs (lowbit.quantization.balancing)
 
     @property
     def method(self) -> WeightMethod:
@@ -112,6 +114,7 @@ class LayerPass:
 
         def hook_for(n):
             g, rot = leader[n], ctx.online.get(n)
+            every = ctx.expert_sample_every if g in ctx.expert_of else ctx.sample_every
 
             def hook(mod, args):
                 x = args[0]
@@ -120,7 +123,7 @@ class LayerPass:
                 if g not in done:
                     istats.setdefault(g, InputStats()).add(
                         x, absmax=need_absmax, gram=ctx.need_h, squares=squares,
-                        sample_every=ctx.sample_every, bf16_gram=bf16_gram)
+                        sample_every=every, bf16_gram=bf16_gram)
                     meeting[0](g)
                 aq = acts.get(n)
                 return ((aq(x) if aq is not None else x),) + tuple(args[1:])

@@ -6,7 +6,7 @@
 3. For each decoder layer in turn:
    a. SmoothQuant / AWQ only: run the layer as it is on its inputs, recording each
       Linear input's absmax (and AWQ's token sample), and balance scales into the layer
-      (function-preserving);
+      (function-preserving; :mod:`.balancing`, which also says what it does per MoE expert);
    b. one pass of the layer over all its inputs, in lockstep (:mod:`lowbit.util.lockstep`):
       at the first Linear of each group that reads one input, every chunk adds that
       input to the group's statistics — channel absmax, mean x², the Hessian ``XᵀX``
@@ -32,8 +32,8 @@ from torch import nn
 
 from . import algorithms as A
 from ..util import heap
+from .balancing import Stop, balance_layer, expert_sample_every, moe_expert_count
 from .calibrate import CalibStats
-from .inputstats import InputStats
 from .kv import cache_kwarg
 from .layerpass import LayerPass, PassContext
 from ..models.arch import arch_of, decoder_layers, expert_groups
@@ -45,21 +45,12 @@ from ..util.progress import staged_progress
 from .methods import RotationConfig
 from .recipe import Recipe
 from .roundpass import LayerRounding, check_round_opt
-from .runtime import ActQuant, QuantState, quantized_activations
-from .transforms import (balance, balance_groups, residual_rotation_supported, rotate_down_input, rotate_residual_ends,
-                         rotate_residual_layer)
+from .runtime import ActQuant, QuantState
+from .transforms import residual_rotation_supported, rotate_down_input, rotate_residual_ends, rotate_residual_layer
 
 __all__ = ["quantize_layerwise"]
 
 log = logging.getLogger(__name__)
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass early."""
-
-
-def _stop(module, args):
-    raise _Stop
 
 
 @torch.no_grad()
@@ -77,7 +68,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple
         def forward(hidden_states, *args, **kw):
             kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
             if i == len(layers) - 1:
-                raise _Stop  # nothing after the last layer is needed
+                raise Stop  # nothing after the last layer is needed
             return hidden_states
         return forward
 
@@ -85,7 +76,7 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple
         layer.forward = stub(i)
     try:
         model(input_ids=windows[:1], use_cache=False)
-    except _Stop:
+    except Stop:
         pass
     finally:
         for layer in layers:
@@ -94,14 +85,14 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple
 
     def grab(mod, args, kw):
         inputs.append((args[0] if args else kw["hidden_states"]).detach())
-        raise _Stop
+        raise Stop
 
     h = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
         for b in range(0, len(windows), batch):
             try:
                 model(input_ids=windows[b : b + batch], use_cache=False)
-            except _Stop:
+            except Stop:
                 pass
     finally:
         h.remove()
@@ -121,17 +112,27 @@ def _groups_of_inputs(names: list[str], arch, prefix: str, experts: list[tuple[s
 
 
 def _refuse_on_moe(model: nn.Module, algo) -> None:
-    """What the layer-by-layer pass does not do on mixture-of-experts models yet, named."""
-    missing = [what for what, on in (
-        ("rotations", algo.rotation is not None),
-        ("SmoothQuant", algo.smoothquant is not None),
-        ("AWQ (its scales would move through the norm that also feeds the router)", algo.awq is not None),
-        ("learned rounding (round_opt)", algo.round_opt is not None),
-    ) if on]
-    if missing and expert_modules(model):
+    """What the layer-by-layer pass does not do on mixture-of-experts models, and why.
+
+    Rotations: the residual rotation folds the MLP's norm into every reader of the
+    residual stream and rotates their inputs, the router included, so the router's
+    weights would change (it is kept exact: a small error flips the top-k choice); the
+    online rotation of down_proj inputs is not implemented per expert (each expert's
+    intermediate width, its own online rotation).  Learned rounding (``round_opt``) is not
+    implemented for experts.  SmoothQuant and AWQ work per expert
+    (:mod:`lowbit.quantization.balancing`)."""
+    if not expert_modules(model):
+        return
+    if algo.rotation is not None:
         raise ValueError(
-            f"{', '.join(missing)}: not implemented for mixture-of-experts models; GPTQ, the MSE observer and "
-            "min-max rounding quantize every expert (from the tokens routed to it)")
+            "rotations: not supported on mixture-of-experts models — the residual rotation would fold the MLP "
+            "norm into the router and rotate its input, changing the router's weights (kept exact), and the "
+            "online down_proj rotation is not implemented per expert; AWQ, SmoothQuant, GPTQ, the MSE observer "
+            "and min-max rounding quantize every expert")
+    if algo.round_opt is not None:
+        raise ValueError(
+            "learned rounding (round_opt): not implemented for mixture-of-experts models; AWQ, SmoothQuant, GPTQ, "
+            "the MSE observer and min-max rounding quantize every expert")
 
 
 def _rotations(model: nn.Module, cfg: RotationConfig | None) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
@@ -236,10 +237,12 @@ def quantize_layerwise(
         sample_every = max(1, total // tokens)
     siblings = sibling_groups(model)
     times = {"balancing": 0.0, "pass": 0.0, "weights": 0.0, "rounding": 0.0}
+    expert_of = _expert_index(model)
+    expert_every = expert_sample_every(model, sample_every, moe_expert_count(expert_of), algo.experts_see_all_tokens)
     ctx = PassContext(model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every,
                       kv_cache_kwarg=cache_kwarg(model) if recipe.kv_cache is not None else None,
                       keep_qtensors=keep_qtensors or algo.round_opt is not None,  # round_opt starts from them
-                      expert_of=_expert_index(model))
+                      expert_of=expert_of, expert_sample_every=expert_every)
     rounding = LayerRounding(algo.round_opt, inputs) if algo.round_opt is not None else None
     method = ctx.method.label
     with heap.map_large_allocations():  # see lowbit.util.heap
@@ -256,8 +259,9 @@ def quantize_layerwise(
             if algo.smoothquant is not None or awq_cfg is not None:
                 stage("SmoothQuant scales" if algo.smoothquant is not None else "AWQ scales")
                 t_b = time.perf_counter()
-                _balance_layer(model, i, arch, layers[i], inputs, layer_kwargs[i], modules, plan, leader, online,
-                               algo, sample_every, prefix)
+                with all_tokens_to_every_expert(layers[i]) if algo.experts_see_all_tokens else _nothing():
+                    balance_layer(model, i, arch, layers[i], inputs, layer_kwargs[i], modules, plan, leader, online,
+                                  algo, sample_every, prefix, expert_of, expert_every)
                 times["balancing"] += time.perf_counter() - t_b
             if rounding is not None:
                 stage("float targets")
@@ -340,48 +344,3 @@ def _expert_index(model: nn.Module) -> dict[str, tuple[str, int]]:
                     out[f"{mname}.{e}.{lname}"] = (mname, e)
     return out
 
-
-def _balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, online, algo, sample_every,
-                   prefix) -> None:
-    """SmoothQuant or AWQ for decoder layer ``i``: record its inputs' absmax (and AWQ's token
-    sample) with the layer as it is, up to down_proj's input, then move each balancing
-    group's scales into the layer (function-preserving).  The statistics are discarded:
-    the layer's pass that follows records them again on the balanced layer."""
-    istats = {n: InputStats() for n in set(leader.values())}
-    rot_only = {n: ActQuant(None, rotation=online[n]) for n in leader if n in online}
-
-    def hook_for(n):
-        def hook(mod, args):
-            istats[n].add(args[0], absmax=algo.smoothquant is not None,
-                          sample_every=sample_every if algo.awq is not None else 0)
-        return hook
-
-    with quantized_activations(model, rot_only):
-        handles = [modules[n].register_forward_pre_hook(hook_for(n)) for n in istats]
-        # down_proj is the last Linear to run: once its input is recorded, the rest of the
-        # layer's work would be thrown away
-        handles.append(modules[f"{prefix}.{arch.down}"].register_forward_pre_hook(_stop))
-        try:
-            for h in inputs:
-                try:
-                    layer(h, **kwargs)
-                except _Stop:
-                    pass
-        finally:
-            for hd in handles:
-                hd.remove()
-    for prev, prev_name, nexts, next_names in balance_groups(model, i, arch):
-        quantized = [n for n in next_names if n in plan and plan[n][0] is not None]
-        if not quantized:
-            continue
-        st = istats[leader[next_names[0]]]
-        ws = [m.weight.detach().float() for m in nexts]
-        if algo.smoothquant is not None:
-            if not any(plan.get(n, (None, None))[1] is not None for n in next_names):
-                continue  # SmoothQuant helps activation quantization only
-            s = A.smoothquant_scales(st.absmax, ws, algo.smoothquant.alpha)
-        else:
-            s, _ = A.awq_scales(st.x, ws, plan[quantized[0]][0], grid=algo.awq.grid,
-                                duo_scaling=algo.awq.duo_scaling)
-        off = arch.norm_offset if not isinstance(prev, nn.Linear) else 0.0
-        balance(prev, nexts, s, norm_offset=off)

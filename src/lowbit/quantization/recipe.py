@@ -8,7 +8,7 @@ A recipe is data.  In YAML::
       - targets: ["*.mlp.down_proj"]
         weights: int8-channel
         inputs: null            # this rule quantizes no inputs
-    ignore: [lm_head]           # never quantized (default: lm_head, MoE routers)
+    ignore: [lm_head]           # never quantized (default: lm_head, MoE routers, shared-expert gates)
     kv_cache:
       scheme: fp8-tensor        # a preset or {format, granularity, ...}
       keys: true
@@ -35,8 +35,8 @@ from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConf
 
 __all__ = ["Rule", "KVConfig", "Recipe", "Algorithms", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
 
-#: lm_head (vLLM cannot load a quantized one) and MoE routers stay in high precision
-DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*.block_sparse_moe.gate", "*router*")
+#: lm_head (vLLM cannot load a quantized one), MoE routers and shared-expert gates stay in high precision
+DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*.block_sparse_moe.gate", "*router*", "*.shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Algorithms:
         batch: calibration windows per layer forward.
         expert_min_tokens: a MoE expert whose inputs got fewer calibration tokens than this
             is rounded to nearest (min-max) instead of by the weight method (its statistics
-            are too few to trust); counted and logged per layer.
+            are too few to trust), and gets no AWQ / SmoothQuant scale; counted and logged per layer.
         experts_see_all_tokens: for the statistics, every expert computes on every
             calibration token, not only those routed to it (the outputs stay the routed ones).
     """

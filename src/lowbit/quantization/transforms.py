@@ -22,7 +22,8 @@ from torch import nn
 from ..models.arch import Arch, arch_of, decoder_layers
 
 __all__ = ["balance", "fold_norms", "rotate_residual", "rotate_residual_ends", "rotate_residual_layer",
-           "rotate_down_inputs", "rotate_down_input", "residual_rotation_supported"]
+           "rotate_down_inputs", "rotate_down_input", "residual_rotation_supported",
+           "balance_groups", "expert_balance_groups"]
 
 
 @torch.no_grad()
@@ -186,7 +187,11 @@ def rotate_down_input(model: nn.Module, i: int, H: torch.Tensor) -> tuple[str, t
 def balance_groups(model: nn.Module, layer_index: int, arch: Arch | None = None):
     """The balancing groups of one decoder layer as ``(prev module, prev name, [next
     modules], [next names])`` with full names, skipping groups whose shapes do not allow
-    it (v_proj → o_proj under grouped-query attention)."""
+    it (v_proj → o_proj under grouped-query attention).
+
+    In a mixture-of-experts layer (:func:`expert_balance_groups`) the MLP's norm feeds the
+    router and every expert, so no scale goes through it; each expert's (and a shared
+    expert's) ``up_proj → down_proj`` pair is a group of its own."""
     arch = arch or arch_of(model)
     layer = decoder_layers(model)[layer_index]
     prefix = f"{arch.layers}.{layer_index}"
@@ -198,4 +203,38 @@ def balance_groups(model: nn.Module, layer_index: int, arch: Arch | None = None)
         if any(n.weight.shape[1] != width for n in nexts):
             continue
         out.append((prev, f"{prefix}.{b.prev}", nexts, [f"{prefix}.{n}" for n in b.next]))
+    return out + expert_balance_groups(layer, prefix, arch)
+
+
+def expert_balance_groups(layer: nn.Module, prefix: str, arch: Arch):
+    """The balancing groups inside the experts of one MoE decoder layer (``prefix``: its
+    name), in :func:`balance_groups`' form: per routed expert ``e`` (and for a shared
+    expert), ``up_proj → down_proj``.
+
+    Why these and no others: a scale must fold exactly into what produces the scaled input.
+    The experts' gate/up read the output of the MLP's norm, which the router and every
+    other expert read too: a per-expert scale cannot be folded there, and one scale for
+    all would change the router's weights (kept exact).  Inside an expert,
+    ``down(act(gate x) ⊙ up x)`` is elementwise in the intermediate channels, so dividing
+    up_proj's output row ``j`` by ``s_j`` and multiplying down_proj's input column ``j`` by
+    ``s_j`` leaves the expert's function unchanged, separately for every expert."""
+    e = arch.experts
+    if e is None:
+        return []
+    out = []
+    parts = []
+    try:
+        experts = layer.get_submodule(e.path)
+        parts += [(f"{e.path}.{k}", ex) for k, ex in enumerate(experts)] if isinstance(experts, nn.ModuleList) else []
+    except AttributeError:  # a dense layer of a MoE model
+        pass
+    if e.shared is not None:
+        try:
+            parts.append((e.shared, layer.get_submodule(e.shared)))
+        except AttributeError:
+            pass
+    for path, ex in parts:
+        up, down = getattr(ex, e.up, None), getattr(ex, e.down, None)
+        if isinstance(up, nn.Linear) and isinstance(down, nn.Linear):
+            out.append((up, f"{prefix}.{path}.{e.up}", [down], [f"{prefix}.{path}.{e.down}"]))
     return out

@@ -149,7 +149,7 @@ def stages_table(stage_seconds: dict[str, float]) -> Table:
 
 
 def sensitivity_table(rows, recipe: str) -> Table:
-    t = Table(title=f"Sensitivity to {recipe}: one module type or one decoder layer quantized at a time, "
+    t = Table(title=f"Sensitivity to {recipe}: one module type, decoder layer or MoE expert quantized at a time, "
               "most damaging first", title_justify="left")
     for col in ("rank", "quantized", "KL mean", "Δ% PPL", "top-1 agree"):
         t.add_column(col, justify="left" if col == "quantized" else "right")
