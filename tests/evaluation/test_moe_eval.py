@@ -78,3 +78,28 @@ def test_per_layer_sensitivity_ranks_each_expert(tiny_moe, tmp_path):
     assert all(kl[u] > 0 for u in routed)
     values = [r.row.eval.kl_mean for r in sens.rows]
     assert values == sorted(values, reverse=True)
+
+
+def test_kv_stats_and_plan_on_moe(tiny_moe, tmp_path):
+    """`lowbit kv-stats` and `lowbit plan` run on a MoE model: per-layer K/V statistics and FP8 KV
+    rows; a plan for the model's own config (the simulator's MoE shape) with a recommendation."""
+    from lowbit.evaluation.analysis import kv_stats
+    from lowbit.planning import Budget, Load, Target, parse_candidate, plan
+    from lowbit.sim.metrics import SLO
+    from lowbit.sim.workload import Lengths
+
+    bench = _bench(tiny_moe, tmp_path)
+    ks = kv_stats(bench, windows=2)
+    assert len(ks.layers) == tiny_moe.config.num_hidden_layers
+    rows = ks.comparison.rows
+    assert rows[0].recipe == "reference" and len(rows) > 1 and all(r.eval.kl_mean > 0 for r in rows[1:])
+    tiny_moe.config.save_pretrained(bench.info.path)
+    target = Target.of("h100", 1, bench.info.path, None)
+    cfg = tiny_moe.config
+    n_experts = cfg.num_experts if cfg.model_type == "qwen3_moe" else cfg.num_local_experts
+    assert target.shape.experts == n_experts
+    load = Load(Lengths.fixed(256), Lengths.fixed(32), SLO(ttft=1.0, tpot=0.04), n_requests=100, seeds=(0,))
+    r = plan(bench, [parse_candidate(n) for n in ("bf16", "fp8-dynamic")], target, load, Budget("kl", 1e9),
+             progress=False, model_arg="tiny-moe")
+    assert r.recommendation.pick in ("bf16", "fp8-dynamic")
+    assert {c.candidate for c in r.commands} >= {r.recommendation.pick}
