@@ -5,25 +5,15 @@ exports W8A8 INT8 dynamic and W4A16 INT4 g64 from SmolLM2 with a few calibration
 verifies both on a few windows and asserts the issue's targets.
 """
 
-import subprocess
 
 import pytest
 
-from lowbit.engines import venv
 from lowbit.engines.verify import TARGET_KL_FRACTION, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RECIPES = ("w8a8-int8", "w4a16-int4-g64")
 WINDOWS = 4
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    if not (venv.default_venv() / ".installed").exists():
-        r = subprocess.run(["make", "-C", str(venv.repo_root()), "vllm"], capture_output=True, text=True, timeout=1800)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return venv.find_vllm_python()
 
 
 @pytest.fixture(scope="module")

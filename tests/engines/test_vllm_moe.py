@@ -7,23 +7,13 @@ Measured 2026-12-02 (vLLM CPU 0.32.0, AVX2-only): both pass (2 passed in 192 s).
 attention refuses head_dim 16 ("Unsupported CPU attention configuration: head_dim=16"), hence
 head_dim 64 here."""
 
-import subprocess
 
 import pytest
 import torch
 
-from lowbit.engines import venv
 from lowbit.engines.verify import EngineRequest, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    if not (venv.default_venv() / ".installed").exists():
-        r = subprocess.run(["make", "-C", str(venv.repo_root()), "vllm"], capture_output=True, text=True, timeout=1800)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return venv.find_vllm_python()
 
 
 def _tokenizer(byte_bpe_tokenizer):

@@ -16,7 +16,8 @@ from lowbit.quantization.recipe import RECIPES, recipe_from_dict
 from lowbit.quantization.transforms import balance, balance_groups
 from lowbit.quantization.weights import QuantizedWeight, WeightMethod
 
-E, L = 8, 2
+from .test_moe import E, L
+from .test_moe import _routed_counts as routed_count_hooks
 _AWQ_LOG = re.compile(r"AWQ: (\d+) of (\d+) experts in layer (\d+) saw < (\d+) tokens: no scales")
 
 
@@ -27,14 +28,7 @@ def _windows(n=4, seq=16, seed=0):
 @torch.no_grad()
 def _routed_counts(model, ids):
     """Tokens each layer's router sends to each expert on a plain forward of ``ids``."""
-    counts = {i: torch.zeros(E, dtype=torch.long) for i in range(L)}
-
-    def hook_for(i):
-        def hook(mod, args, out):
-            counts[i] += torch.bincount(out[2].flatten(), minlength=E)
-        return hook
-
-    handles = [layer.mlp.gate.register_forward_hook(hook_for(i)) for i, layer in enumerate(model.model.layers)]
+    counts, handles = routed_count_hooks(model)
     try:
         model(ids)
     finally:
