@@ -203,6 +203,7 @@ def test_report_shows_the_weights_only_prediction_beside():
     line = render.gguf_check_line(checks[0])
     assert "lowbit 16.4001" in line and "weights only: PPL 16.4025, KLD 0.2671" in line
     assert "KL(llama.cpp ‖ lowbit) 4.20e-04 (weights only 3.10e-03)" in line
+    assert "target ≤ 3e-05: MISS" in line  # a floor of ~1e-5 is printed, not rounded to 0.0000
     console = Console(width=400, record=True)
     console.print(render.gguf_table(v))
     text = console.export_text()

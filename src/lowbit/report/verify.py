@@ -48,7 +48,7 @@ def check_line(c) -> str:
     """A one-line summary of one checkpoint, printed as soon as it is done."""
     p = c.pair
     return (f"{c.recipe}: vLLM {p.engine_ppl:.4f}, lowbit {p.lowbit_ppl:.4f} (Δ {p.delta_ppl:+.4f}, target "
-            f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KL(lowbit‖vLLM) {p.kl:.2e} = "
+            f"≤ {c.ppl_target:.2g}: {'ok' if c.ppl_ok else 'MISS'}); KL(lowbit‖vLLM) {p.kl:.2e} = "
             f"{num(c.kl_ratio, 2)} × KL(ref‖lowbit) {num(p.kl_reference, 3)} ({'ok' if c.kl_ok else 'MISS'}); "
             f"top-1 {p.top1:.4f}; {c.engine_seconds:.0f} s vLLM + {c.lowbit_seconds:.0f} s lowbit")
 
@@ -88,7 +88,7 @@ def gguf_check_line(c) -> str:
         if w and w.get("vs_engine"):
             wo += f" (weights only {w['vs_engine']['kl']:.2e})"
     return (f"{Path(c.file).name}: llama.cpp PPL {e['ppl']:.4f}, lowbit {p['ppl']:.4f} (Δ {c.delta_ppl:+.4f}, target "
-            f"≤ {c.ppl_target:.4f}: {'ok' if c.ppl_ok else 'MISS'}); KLD llama.cpp {num(e.get('kld'), 4)} / lowbit "
+            f"≤ {c.ppl_target:.2g}: {'ok' if c.ppl_ok else 'MISS'}); KLD llama.cpp {num(e.get('kld'), 4)} / lowbit "
             f"{num(p['kl'], 4)}; same top-1 {num(e.get('same_top_p'), 2)}% / {_share(p['same_top'])}{wo}")
 
 
