@@ -14,17 +14,12 @@ Nothing from lowbit is imported here, and nothing here is part of lowbit.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
-
-def peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peer_common import copy_tokenizer_files, peak_rss_mib  # noqa: E402
 
 
 def _cg(weights: dict | None, inputs: dict | None = None) -> dict:
@@ -99,11 +94,7 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     out = Path(out_dir)
     model.save_pretrained(out, save_compressed=True)
-    for f in Path(model_dir).iterdir():  # tokenizer files, so that the folder loads on its own
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
-                                                                         "merges.txt", "generation_config.json")):
-            if not (out / f.name).exists():
-                shutil.copy(f, out / f.name)
+    copy_tokenizer_files(Path(model_dir), out)
     print("LLMC_RESULT " + json.dumps({"config": config, "quantize_seconds": seconds, "peak_mib": peak_rss_mib(),
                                         "pipeline": pipeline, "out": str(out)}), flush=True)
 

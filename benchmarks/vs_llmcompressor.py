@@ -155,14 +155,15 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: s
 # -- running the workers --------------------------------------------------------------
 
 
-def _run(cmd: list[str], tag: str, log_dir: Path, key: str) -> dict:
+def _run(cmd: list[str], tag: str, log_dir: Path, key: str, marker: str | None = None, env: dict | None = None) -> dict:
+    """Run a worker; return the JSON of its ``marker`` line (stdout and stderr kept in ``log_dir``)."""
     log = log_dir / f"{key}.{tag}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env)
     f_out = p.stdout
     (log_dir / f"{key}.{tag}.out").write_text(f_out)
-    marker = "LOWBIT_RESULT " if tag == "lowbit" else "LLMC_RESULT "
+    marker = marker or ("LOWBIT_RESULT " if tag == "lowbit" else "LLMC_RESULT ")
     for line in f_out.splitlines():
         if line.startswith(marker):
             d = json.loads(line[len(marker):])

@@ -1,0 +1,92 @@
+"""AutoRound side of ``benchmarks/vs_peers.py`` (issue 18).
+
+Runs in a virtual environment that has auto-round (llm-compressor's venv has auto-round 0.15.1:
+``/tmp/llmc-venv``), never in lowbit's.  Loads the model in float32, quantizes it with one
+configuration and one of AutoRound's recipes (``light``, ``default``, ``best``: the iteration
+counts and learning rates of AutoRound's own ``auto-round-light`` / ``auto-round`` /
+``auto-round-best`` commands) on the calibration windows it is given, saves a
+compressed-tensors checkpoint (AutoRound's ``llm_compressor`` export) and prints one JSON
+line: quantize wall seconds (``quantize_and_save``), peak RSS of the whole process (VmHWM)
+and the output folder.
+
+    /tmp/llmc-venv/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
+
+The protocol fixes the calibration set (128 windows × 512 tokens), so ``best`` runs AutoRound's
+1000 iterations on those 128 windows, not on the 512 samples of 2048 tokens its command takes.
+
+Nothing from lowbit is imported here, and nothing here is part of lowbit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peer_common import copy_tokenizer_files, peak_rss_mib  # noqa: E402
+
+#: AutoRound's command-line recipes (auto_round/cli/main.py RECIPES), without their
+#: sequence length and sample count, which the protocol sets
+RECIPES = {"light": {"iters": 50, "lr": 5e-3}, "default": {"iters": 200, "lr": None},
+           "best": {"iters": 1000, "lr": None}}
+
+#: configuration → AutoRound scheme arguments
+SCHEMES = {
+    "w4a16-g64-sym": dict(scheme="W4A16", bits=4, group_size=64, sym=True),
+    "w4a16-g64-asym": dict(scheme="W4A16", bits=4, group_size=64, sym=False),
+    "w4a16-g128-sym": dict(scheme="W4A16", bits=4, group_size=128, sym=True),
+    "w4a16-g128-asym": dict(scheme="W4A16", bits=4, group_size=128, sym=False),
+}
+
+
+def parse(config: str) -> tuple[dict, str, dict]:
+    scheme, _, recipe = config.partition(":")
+    recipe = recipe or "default"
+    if scheme not in SCHEMES:
+        raise SystemExit(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+    if recipe not in RECIPES:
+        raise SystemExit(f"unknown AutoRound recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    return SCHEMES[scheme], recipe, RECIPES[recipe]
+
+
+def main() -> None:
+    config, model_dir, calib_path, out_dir = sys.argv[1:5]
+    iters_override = int(sys.argv[5]) if len(sys.argv) > 5 else None  # smoke tests only
+    scheme, recipe, hyper = parse(config)
+    import torch
+    from auto_round import AutoRound
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = load_file(calib_path)["input_ids"]
+    n, seq = ids.shape
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    iters = iters_override if iters_override is not None else hyper["iters"]
+    kwargs = dict(scheme, iters=iters, nsamples=n, seqlen=seq, batch_size=min(8, n), seed=42,
+                  dataset=[ids[i:i + 1] for i in range(n)], device_map="cpu")
+    if hyper["lr"] is not None:
+        kwargs["lr"] = hyper["lr"]
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    ar = AutoRound(model, tokenizer=tok, **kwargs)
+    ar.quantize_and_save(str(out), format="llm_compressor")
+    seconds = time.perf_counter() - t0
+    if not (out / "config.json").exists():  # AutoRound writes into OUT/<model>-w<bits>g<group>/
+        inner = [d for d in out.iterdir() if (d / "config.json").exists()]
+        if len(inner) != 1:
+            raise SystemExit(f"no single checkpoint folder under {out}: {[d.name for d in out.iterdir()]}")
+        for f in inner[0].iterdir():
+            f.replace(out / f.name)
+        inner[0].rmdir()
+    copy_tokenizer_files(Path(model_dir), out)
+    print("PEER_RESULT " + json.dumps({"config": config, "recipe": recipe, "iters": iters, "quantize_seconds": seconds,
+                                        "peak_mib": peak_rss_mib(), "out": str(out),
+                                        "autoround_kwargs": {k: v for k, v in kwargs.items() if k != "dataset"}}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Small helpers shared by the peer workers (``_llmc_worker.py``, ``_autoround_worker.py``,
+``_gptqmodel_worker.py``), which run in the peers' own virtual environments: standard library
+only, nothing from lowbit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (VmHWM) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
+    """Copy the tokenizer files a peer's save did not write, so that ``out`` loads on its own."""
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES):
+            if not (out / f.name).exists():
+                shutil.copy(f, out / f.name)
