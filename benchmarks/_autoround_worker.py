@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peer_common import copy_tokenizer_files, peak_rss_mib  # noqa: E402
+from _peer_common import copy_tokenizer_files, parse_config, peak_rss_mib  # noqa: E402
 
 #: AutoRound's command-line recipes (auto_round/cli/main.py RECIPES), without their
 #: sequence length and sample count, which the protocol sets
@@ -41,20 +41,10 @@ SCHEMES = {
 }
 
 
-def parse(config: str) -> tuple[dict, str, dict]:
-    scheme, _, recipe = config.partition(":")
-    recipe = recipe or "default"
-    if scheme not in SCHEMES:
-        raise SystemExit(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    if recipe not in RECIPES:
-        raise SystemExit(f"unknown AutoRound recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-    return SCHEMES[scheme], recipe, RECIPES[recipe]
-
-
 def main() -> None:
     config, model_dir, calib_path, out_dir = sys.argv[1:5]
     iters_override = int(sys.argv[5]) if len(sys.argv) > 5 else None  # smoke tests only
-    scheme, recipe, hyper = parse(config)
+    scheme, recipe, hyper = parse_config(config, SCHEMES, RECIPES, "AutoRound")
     import torch
     from auto_round import AutoRound
     from safetensors.torch import load_file

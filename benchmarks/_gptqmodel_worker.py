@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peer_common import copy_tokenizer_files, peak_rss_mib  # noqa: E402
+from _peer_common import copy_tokenizer_files, parse_config, peak_rss_mib  # noqa: E402
 
 SCHEMES = {
     "w4a16-g64-sym": dict(bits=4, group_size=64, sym=True),
@@ -41,16 +41,6 @@ SCHEMES = {
 }
 ORDERINGS = {"default": {}, "desc": dict(act_group_aware=False, desc_act=True),
              "plain": dict(act_group_aware=False, desc_act=False)}
-
-
-def parse(config: str) -> tuple[dict, str]:
-    scheme, _, variant = config.partition(":")
-    variant = variant or "default"
-    if scheme not in SCHEMES:
-        raise SystemExit(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    if variant not in ORDERINGS:
-        raise SystemExit(f"unknown GPTQModel variant {variant!r}; choose from {', '.join(ORDERINGS)}")
-    return dict(SCHEMES[scheme], **ORDERINGS[variant]), variant
 
 
 def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size: int) -> dict:
@@ -90,7 +80,8 @@ def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size
 
 def main() -> None:
     config, model_dir, calib_path, out_dir = sys.argv[1:5]
-    kwargs, variant = parse(config)
+    kwargs, variant, ordering = parse_config(config, SCHEMES, ORDERINGS, "GPTQModel")
+    kwargs.update(ordering)
     out, model_dir, calib_path = (str(Path(x).resolve()) for x in (out_dir, model_dir, calib_path))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,3 +24,15 @@ def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
         if f.is_file() and (f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES):
             if not (out / f.name).exists():
                 shutil.copy(f, out / f.name)
+
+
+def parse_config(config: str, schemes: dict, variants: dict, tool: str) -> tuple[dict, str, dict]:
+    """``SCHEME[:VARIANT]`` → (scheme arguments, variant name, variant arguments); exits naming
+    the choices when either part is unknown."""
+    scheme, _, variant = config.partition(":")
+    variant = variant or "default"
+    if scheme not in schemes:
+        raise SystemExit(f"unknown scheme {scheme!r}; choose from {', '.join(schemes)}")
+    if variant not in variants:
+        raise SystemExit(f"unknown {tool} variant {variant!r}; choose from {', '.join(variants)}")
+    return dict(schemes[scheme]), variant, dict(variants[variant])

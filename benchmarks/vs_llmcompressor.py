@@ -301,6 +301,30 @@ def table(results: list[dict]) -> str:
 # -- main -----------------------------------------------------------------------------
 
 
+def prepare(model: str, windows: int, calib: int, workdir: Path | None, prefix: str) -> tuple:
+    """The shared setup of the side-by-side benchmarks: the bench (reference cached), the work
+    folder, the calibration windows every tool reads (``calib.safetensors``) and the run's
+    metadata.  Returns ``(wb, reference eval, work, calib_path, meta)``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lowbit.evaluation.workbench import Workbench
+
+    wb = Workbench.load(model, corpus="wiki", windows=windows, calib_windows=calib, seed=0, progress=False)
+    ref = wb.reference_row().eval
+    work = workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    calib_path = work / "calib.safetensors"
+    save_file({"input_ids": wb.calib_windows.contiguous()}, str(calib_path))
+    print(f"model {wb.info.name} ({wb.info.path}); eval {tuple(wb.windows.shape)}; calib {tuple(wb.calib_windows.shape)}; "
+          f"reference PPL {ref.ppl:.3f}; workdir {work}", flush=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.executable).name] + sys.argv), "machine": platform.platform(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": wb.info.name,
+            "windows": list(wb.windows.shape), "calib": list(wb.calib_windows.shape), "reference_ppl": ref.ppl}
+    return wb, ref, work, calib_path, meta
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=None,
@@ -335,28 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llm-compressor venv not found at {a.llmc_python}: skipping that side. Create it with:\n  "
               f"{LLMC_VENV_HELP}", file=sys.stderr)
 
-    import torch
-    from safetensors.torch import save_file
-
-    from lowbit.evaluation.compare import Workbench
-
     t_start = time.perf_counter()
-    wb = Workbench.load(a.model, corpus="wiki", windows=a.windows, calib_windows=a.calib, seed=0, progress=False)
-    ref = wb.reference_row().eval
-    work = a.workdir or Path(tempfile.mkdtemp(prefix="vs_llmc_"))
-    work.mkdir(parents=True, exist_ok=True)
-    calib_path = work / "calib.safetensors"
-    save_file({"input_ids": wb.calib_windows.contiguous()}, str(calib_path))
+    wb, ref, work, calib_path, meta = prepare(a.model, a.windows, a.calib, a.workdir, "vs_llmc_")
     model_dir = str(wb.info.path)
-    print(f"model {wb.info.name} ({model_dir}); eval {tuple(wb.windows.shape)}; calib {tuple(wb.calib_windows.shape)}; "
-          f"reference PPL {ref.ppl:.3f}; workdir {work}", flush=True)
-
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name] + sys.argv), "machine": platform.platform(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": wb.info.name,
-            "windows": list(wb.windows.shape), "calib": list(wb.calib_windows.shape), "reference_ppl": ref.ppl,
-            "group": a.group,
-            "llmc_python": a.llmc_python if llmc_ok else None}
+    meta.update(group=a.group, llmc_python=a.llmc_python if llmc_ok else None)
     results = []
     if a.resume and a.resume.exists():
         old = json.loads(a.resume.read_text())

@@ -25,22 +25,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_llmcompressor import _row_dict, _run  # noqa: E402
+from vs_llmcompressor import LLMC_VENV_HELP, _row_dict, _run, prepare  # noqa: E402
 
 AUTOROUND_PYTHON = "/tmp/llmc-venv/bin/python"
-AUTOROUND_HELP = ("python3 -m venv /tmp/llmc-venv && /tmp/llmc-venv/bin/pip install torch==2.13.0 && "
-                  "/tmp/llmc-venv/bin/pip install llmcompressor==0.14.0.1   # brings auto-round 0.15.1")
+AUTOROUND_HELP = LLMC_VENV_HELP + "   # llm-compressor brings auto-round 0.15.1"
 GPTQMODEL_PYTHON = "/tmp/gptqmodel-venv/bin/python"
 GPTQMODEL_HELP = ("python3 -m venv /tmp/gptqmodel-venv && /tmp/gptqmodel-venv/bin/pip install torch==2.13.0 && "
                   "/tmp/gptqmodel-venv/bin/pip install gptqmodel==7.6.0 -c <(echo torch==2.13.0)")
@@ -155,25 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tool}: no interpreter at {python}; skipping it. Create it with:\n  {help_}", file=sys.stderr)
             plan = [(r, s) for r, s in plan if not s.startswith(tool)]
 
-    import torch
-    from safetensors.torch import save_file
-
-    from lowbit.evaluation.workbench import Workbench
-
     t_start = time.perf_counter()
-    wb = Workbench.load(a.model, corpus="wiki", windows=a.windows, calib_windows=a.calib, seed=0, progress=False)
-    ref = wb.reference_row().eval
-    work = a.workdir or Path(tempfile.mkdtemp(prefix="vs_peers_"))
-    work.mkdir(parents=True, exist_ok=True)
-    calib_path = work / "calib.safetensors"
-    save_file({"input_ids": wb.calib_windows.contiguous()}, str(calib_path))
-    print(f"model {wb.info.name}; eval {tuple(wb.windows.shape)}; calib {tuple(wb.calib_windows.shape)}; "
-          f"reference PPL {ref.ppl:.3f}; workdir {work}", flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name] + sys.argv), "machine": platform.platform(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": wb.info.name,
-            "windows": list(wb.windows.shape), "calib": list(wb.calib_windows.shape), "reference_ppl": ref.ppl,
-            "peer_iters_override": a.peer_iters}
+    wb, ref, work, calib_path, meta = prepare(a.model, a.windows, a.calib, a.workdir, "vs_peers_")
+    meta["peer_iters_override"] = a.peer_iters
     results: list[dict] = []
     if a.resume and a.resume.exists():
         old = json.loads(a.resume.read_text())
