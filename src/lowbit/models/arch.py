@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Arch", "ARCHS", "arch_of", "decoder_layers", "linear_names", "Balance", "bos_required", "Experts",
+__all__ = ["Arch", "ARCHS", "arch_of", "decoder_layers", "submodule", "linear_names", "Balance", "bos_required", "Experts",
            "expert_groups", "checkpoint_name", "lowbit_name"]
 
 
@@ -157,23 +157,22 @@ def expert_groups(model: nn.Module) -> list[tuple[str, ...]]:
         return []
     out = []
     for i, layer in enumerate(decoder_layers(model)):
-        try:
-            experts = layer.get_submodule(e.path)
-        except AttributeError:  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
+        experts = submodule(layer, e.path)
+        if experts is None:  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers)
             continue
         for k in range(len(experts) if isinstance(experts, nn.ModuleList) else 0):
             out.append(tuple(f"{arch.layers}.{i}.{e.path}.{k}.{n}" for n in (e.gate, e.up)))
-        if e.shared is not None and _has(layer, f"{e.shared}.{e.gate}"):
+        if e.shared is not None and submodule(layer, f"{e.shared}.{e.gate}") is not None:
             out.append(tuple(f"{arch.layers}.{i}.{e.shared}.{n}" for n in (e.gate, e.up)))
     return out
 
 
-def _has(module: nn.Module, path: str) -> bool:
+def submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """``module.get_submodule(path)``, or ``None`` where there is no such submodule."""
     try:
-        module.get_submodule(path)
-        return True
+        return module.get_submodule(path)
     except AttributeError:
-        return False
+        return None
 
 
 def checkpoint_name(arch: Arch, name: str) -> str:

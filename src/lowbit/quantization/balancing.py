@@ -24,7 +24,7 @@ from .inputstats import InputStats
 from .runtime import ActQuant, quantized_activations
 from .transforms import balance, balance_groups
 
-__all__ = ["balance_layer", "expert_sample_every", "moe_expert_count", "Stop", "stop"]
+__all__ = ["balance_layer", "expert_sample_every", "experts_by_module", "moe_expert_count", "Stop", "stop"]
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +108,21 @@ def balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, 
         off = arch.norm_offset if not isinstance(prev, nn.Linear) else 0.0
         balance(prev, nexts, s, norm_offset=off)
     method = "SmoothQuant" if algo.smoothquant is not None else "AWQ"
+    experts = experts_by_module(expert_of) if few else {}
     for mname, rounded in few.items():
-        n_experts = len({e for m, e in expert_of.values() if m == mname})
         log.warning("%s: %d of %d experts in layer %d saw < %d tokens: no scales (s = 1) for experts %s",
-                    method, len(rounded), n_experts, i, algo.expert_min_tokens, sorted(rounded))
+                    method, len(rounded), len(experts[mname]), i, algo.expert_min_tokens, sorted(rounded))
+
+
+def experts_by_module(expert_of: dict[str, tuple[str, int]]) -> dict[str, set[int]]:
+    """MoE experts module → the indices of its experts (empty for a dense model)."""
+    per: dict[str, set[int]] = {}
+    for m, e in expert_of.values():
+        per.setdefault(m, set()).add(e)
+    return per
 
 
 def moe_expert_count(expert_of: dict[str, tuple[str, int]]) -> int:
     """The most experts any one MoE layer has (0 for a dense model)."""
-    per: dict[str, set[int]] = {}
-    for m, e in expert_of.values():
-        per.setdefault(m, set()).add(e)
-    return max((len(v) for v in per.values()), default=0)
+    return max((len(v) for v in experts_by_module(expert_of).values()), default=0)
 

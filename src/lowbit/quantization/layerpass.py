@@ -16,6 +16,7 @@ from torch import nn
 from ..numerics.scheme import Scheme
 from ..util import heap
 from ..util.lockstep import run_in_lockstep
+from .balancing import experts_by_module
 from .calibrate import CalibStats
 from .inputstats import InputStats
 from .kv import KVObserver, make_cache
@@ -168,10 +169,7 @@ class LayerPass:
     def _report_rounded_experts(self, i: int) -> None:
         """Log, per MoE layer, how many experts fell back to min-max rounding (too few tokens)."""
         ctx = self.ctx
-        experts: dict[str, set[int]] = {}
-        for m, e in ctx.expert_of.values():
-            experts.setdefault(m, set()).add(e)
-        for mname, all_e in experts.items():
+        for mname, all_e in experts_by_module(ctx.expert_of).items():
             rounded = sorted(e for m, e in self.rounded_experts if m == mname)
             if rounded:
                 log.warning("%d of %d experts in layer %d saw < %d tokens: RTN (min-max rounding) for experts %s",

@@ -47,19 +47,24 @@ def _out(o):
     return o[0] if isinstance(o, tuple) else o
 
 
+def _first_windows(inputs: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The first ``n`` windows of batched layer inputs, copied into one tensor."""
+    out = []
+    for x in inputs:
+        if n <= 0:
+            break
+        out.append(x[:n].clone())
+        n -= out[-1].shape[0]
+    return torch.cat(out)
+
+
 class LayerRounding:
     """Learned rounding over a run: the training windows (and, for ``target: float``, their
     float stream through the layers) and one layer's work at a time."""
 
     def __init__(self, cfg: RoundOptConfig, inputs: list[torch.Tensor]) -> None:
         self.cfg = cfg
-        first, need = [], cfg.windows
-        for x in inputs:                           # the first `windows` calibration windows
-            if need <= 0:
-                break
-            first.append(x[:need].clone())
-            need -= first[-1].shape[0]
-        self.float_in = list(torch.cat(first).split(cfg.batch)) if cfg.target == "float" else None
+        self.float_in = list(_first_windows(inputs, cfg.windows).split(cfg.batch)) if cfg.target == "float" else None
         self.seconds = 0.0
         self.losses: list[tuple[float, float]] = []  # per layer: training loss at the start and kept
         self._saved: dict | None = None
@@ -70,13 +75,7 @@ class LayerRounding:
         """Layer still in float: keep its weights (``names``: its quantized Linears), its
         inputs, and the targets of the training windows."""
         cfg = self.cfg
-        train, need = [], cfg.windows
-        for x in inputs:
-            if need <= 0:
-                break
-            train.append(x[:need].clone())
-            need -= train[-1].shape[0]
-        train_in = list(torch.cat(train).split(cfg.batch))
+        train_in = list(_first_windows(inputs, cfg.windows).split(cfg.batch))
         source = self.float_in if cfg.target == "float" else train_in
         targets = [_out(layer(x, **kwargs)) for x in source]
         if self.float_in is not None:

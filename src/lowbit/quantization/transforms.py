@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.arch import Arch, arch_of, decoder_layers
+from ..models.arch import Arch, arch_of, decoder_layers, submodule
 
 __all__ = ["balance", "fold_norms", "rotate_residual", "rotate_residual_ends", "rotate_residual_layer",
            "rotate_down_inputs", "rotate_down_input", "residual_rotation_supported",
@@ -222,17 +222,11 @@ def expert_balance_groups(layer: nn.Module, prefix: str, arch: Arch):
     if e is None:
         return []
     out = []
-    parts = []
-    try:
-        experts = layer.get_submodule(e.path)
-        parts += [(f"{e.path}.{k}", ex) for k, ex in enumerate(experts)] if isinstance(experts, nn.ModuleList) else []
-    except AttributeError:  # a dense layer of a MoE model
-        pass
-    if e.shared is not None:
-        try:
-            parts.append((e.shared, layer.get_submodule(e.shared)))
-        except AttributeError:
-            pass
+    experts = submodule(layer, e.path)  # None in a dense layer of a MoE model
+    parts = [(f"{e.path}.{k}", ex) for k, ex in enumerate(experts)] if isinstance(experts, nn.ModuleList) else []
+    shared = submodule(layer, e.shared) if e.shared is not None else None
+    if shared is not None:
+        parts.append((e.shared, shared))
     for path, ex in parts:
         up, down = getattr(ex, e.up, None), getattr(ex, e.down, None)
         if isinstance(up, nn.Linear) and isinstance(down, nn.Linear):

@@ -20,7 +20,8 @@ import os
 import pickle
 import queue
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TypeVar
 
 import numpy as np
@@ -28,12 +29,25 @@ import torch
 
 from .progress import progress_bar
 
-__all__ = ["default_workers", "map_shards"]
+__all__ = ["default_workers", "map_shards", "torch_threads"]
 
 R = TypeVar("R")
 
 #: upper bound of the default: each worker holds one window's activations and logits
 MAX_DEFAULT_WORKERS = 8
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` (0: unchanged) while the block runs,
+    restored after, also on error."""
+    previous = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def default_workers() -> int:

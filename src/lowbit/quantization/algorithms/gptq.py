@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
 from ...numerics.qtensor import QParams, QTensor, _check_finite, _effective_scale, compute_qparams
 from ...numerics.scheme import Scheme
+from ...util.parallel import torch_threads
 
 __all__ = ["gptq", "QParamsFn"]
 
@@ -147,8 +147,9 @@ def gptq(
     Qt = torch.empty_like(Wt)                                    # (in, out) element values (with zero)
     Pt = torch.empty_like(Wt) if rounding_inputs else None       # (in, out) the columns as rounded
     col_scale: list[tuple | None] = [None] * n_groups            # per group: _per_row's (s, safe, z)
-    # `in` rounds of small vector ops: extra threads would only add synchronisation
-    with _one_thread():
+    # `in` rounds of small vector ops: with several intra-op threads each one pays a synchronisation,
+    # 5–10× when the cores are shared with other work (measured: 576×1536, 2 busy cores, 2.0 s → 0.4 s)
+    with torch_threads(1):
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
             W1 = Wt[i1:i2].clone()                                   # (B, out)
@@ -200,19 +201,6 @@ def _split_groups(qp: QParams, n_obs: int, per: int = 1) -> list[QParams]:
             zip(parts(qp.scale, per), parts(qp.zero, per), parts(qp.super_scale, 1), parts(qp.super_min, 1))]
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run torch's intra-op work on one thread, restoring the previous count after.
-
-    The column loop is thousands of small vector operations; with several intra-op
-    threads each one pays a synchronisation, which costs 5–10× when the cores are
-    shared with other work (measured: 576×1536, 2 busy cores, 2.0 s → 0.4 s)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _upper_cholesky_of_inverse(H: torch.Tensor, damp: float) -> torch.Tensor:

@@ -40,16 +40,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ...numerics.granularity import blocked, from_matrix_view, matrix_shape, matrix_view, unblocked
 from ...numerics.qtensor import QTensor, dequantize, quantize
-from ...numerics.scheme import _global_divisor
-from ...numerics.scheme import Scheme
+from ...numerics.scheme import Scheme, _global_divisor
+from ...util.parallel import torch_threads
 
 __all__ = ["LearnedRounding", "optimize_rounding", "RoundingResult"]
 
@@ -282,20 +281,8 @@ def optimize_rounding(
         raise ValueError(f"optimize_rounding: weights and inits name different tensors: {sorted(weights)} vs {sorted(inits)}")
     if not batches:
         raise ValueError("optimize_rounding: no training batches")
-    with _threads(threads):
+    with torch_threads(threads):
         return _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks)
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count set to ``n`` (0: unchanged) while the block runs."""
-    previous = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks) -> RoundingResult:
