@@ -38,6 +38,10 @@ SCHEMES = {
     "w4a16-g64-asym": dict(scheme="W4A16", bits=4, group_size=64, sym=False),
     "w4a16-g128-sym": dict(scheme="W4A16", bits=4, group_size=128, sym=True),
     "w4a16-g128-asym": dict(scheme="W4A16", bits=4, group_size=128, sym=False),
+    "w2a16-g64-sym": dict(scheme="W2A16G64", bits=2, group_size=64, sym=True),
+    # AutoRound's MXFP4 / NVFP4 presets quantize activations too; weights only here
+    "w4a16-mxfp4": dict(scheme="MXFP4", act_bits=16),
+    "w4a16-nvfp4": dict(scheme="NVFP4", act_bits=16),
 }
 
 

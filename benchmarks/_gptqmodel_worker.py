@@ -38,6 +38,7 @@ SCHEMES = {
     "w4a16-g64-asym": dict(bits=4, group_size=64, sym=False),
     "w4a16-g128-sym": dict(bits=4, group_size=128, sym=True),
     "w4a16-g128-asym": dict(bits=4, group_size=128, sym=False),
+    "w2a16-g64-sym": dict(bits=2, group_size=64, sym=True),
 }
 ORDERINGS = {"default": {}, "desc": dict(act_group_aware=False, desc_act=True),
              "plain": dict(act_group_aware=False, desc_act=False)}

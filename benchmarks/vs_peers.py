@@ -47,6 +47,7 @@ class Row:
     key: str
     label: str
     lowbit: tuple[str, ...]  # lowbit presets of this format, plain and calibrated
+    peers: tuple[str, ...] = ("autoround", "gptqmodel")  # the peers that quantize to this format
 
 
 ROWS = {r.key: r for r in [
@@ -57,6 +58,11 @@ ROWS = {r.key: r for r in [
     Row("w4a16-g128-sym", "W4A16 INT4 g128 symmetric", ("w4a16-int4-g128", "w4a16-gptq-g128", "w4a16-int4-g128-ro")),
     Row("w4a16-g128-asym", "W4A16 INT4 g128 asymmetric",
         ("w4a16-int4-g128-asym", "w4a16-awq-g128-asym", "w4a16-awq-gptq-g128-asym")),
+    Row("w2a16-g64-sym", "W2A16 INT2 g64 symmetric", ("w2a16-int2-g64", "w2a16-gptq-g64", "w2a16-gptq-ro-g64")),
+    # weights only: AutoRound trains these with 16-bit activations; its export labels the checkpoint with
+    # compressed-tensors' W4A4 scheme all the same, and load_model applies the weights only
+    Row("w4a16-mxfp4", "W4A16 MXFP4", ("w4a16-mxfp4", "w4a16-mxfp4-gptq", "w4a16-mxfp4-gptq-ro"), ("autoround",)),
+    Row("w4a16-nvfp4", "W4A16 NVFP4", ("w4a16-nvfp4", "w4a16-nvfp4-gptq", "w4a16-nvfp4-gptq-ro"), ("autoround",)),
 ]}
 PEER_SIDES = ("autoround:light", "autoround:default", "autoround:best", "gptqmodel:default", "gptqmodel:desc",
               "gptqmodel:plain")
@@ -69,8 +75,13 @@ def expand_sides(text: str, row: Row) -> list[str]:
     for s in (t.strip() for t in text.split(",") if t.strip()):
         if s == "lowbit":
             out += [f"lowbit:{r}" for r in row.lowbit]
-        elif s.startswith("lowbit:") or s in PEER_SIDES:
+        elif s.startswith("lowbit:"):
             out.append(s)
+        elif s in PEER_SIDES:
+            if s.partition(":")[0] in row.peers:
+                out.append(s)
+            else:
+                print(f"{row.key}: {s} does not quantize to this format; skipped", file=sys.stderr)
         else:
             raise SystemExit(f"unknown side {s!r}; choose from lowbit, lowbit:PRESET, {', '.join(PEER_SIDES)}")
     return list(dict.fromkeys(out))

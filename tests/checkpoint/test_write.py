@@ -215,6 +215,8 @@ def test_refusals_before_work(tmp_path, tiny_llama):
         check_recipe(RECIPES["kv-fp8-k"])
     with pytest.raises(UnsupportedScheme, match="no kernel"):
         check_recipe(recipe_from_dict({"weights": "mxfp6"}))
+    with pytest.raises(UnsupportedScheme, match="cannot export int2 weights.*no kernel"):
+        check_recipe(RECIPES["w2a16-gptq-ro-g64"])  # 2-bit presets are for accuracy studies (the peer comparison)
     with pytest.raises(UnsupportedScheme, match="W4A8"):
         check_recipe(recipe_from_dict({"weights": "int4-g128", "inputs": "int8-token"}))
     with pytest.raises(ValueError, match="asymmetric quantization needs an integer format"):

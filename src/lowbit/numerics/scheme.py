@@ -243,6 +243,7 @@ PRESETS: dict[str, Scheme] = {
     "int4-g64": Scheme(F.INT4, group(64), scale_dtype="bf16", full_range=True),
     "int4-g64-asym": Scheme(F.UINT4, group(64), symmetric=False, scale_dtype="bf16"),
     "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16", full_range=True),
+    "int2-g64": Scheme(F.INT2, group(64), scale_dtype="bf16", full_range=True),  # levels −2…1, amax → 1.5
     "mxfp4": Scheme(F.FP4_E2M1, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),
     "mxfp6": Scheme(F.FP6_E2M3, group(32), scale_dtype="e8m0", dynamic=True),
     "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),

@@ -311,6 +311,14 @@ RECIPES: dict[str, Recipe] = {
         _preset("w4a16-awq-gptq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales, GPTQ (weighted-MSE scales), "
                 "then learned rounding and clipping", "int4-g64-asym",
                 algorithms={"awq": {"clip": False}, **_GPTQ_MSE, "round_opt": {}}),
+        _preset("w2a16-int2-g64", "W2A16 INT2 g64 (round to nearest)", "int2-g64"),
+        _preset("w2a16-gptq-g64", "W2A16 INT2 g64, GPTQ (weighted-MSE scales)", "int2-g64", algorithms=_GPTQ_MSE),
+        _preset("w2a16-gptq-ro-g64", "W2A16 INT2 g64, GPTQ (weighted-MSE scales) then learned rounding and clipping",
+                "int2-g64", algorithms={**_GPTQ_MSE, "round_opt": {}}),
+        *(p for f, what in (("mxfp4", "MXFP4"), ("nvfp4", "NVFP4")) for p in (
+            _preset(f"w4a16-{f}-gptq", f"W4A16 {what}, GPTQ (weighted-MSE block scales)", f, algorithms=_GPTQ_MSE),
+            _preset(f"w4a16-{f}-gptq-ro", f"W4A16 {what}, GPTQ (weighted-MSE block scales) then learned rounding "
+                    "and clipping", f, algorithms={**_GPTQ_MSE, "round_opt": {}}))),
         _preset("w8a8-int8-sq-gptq", "W8A8 INT8 (per-channel / per-token dynamic), SmoothQuant 0.8 + GPTQ",
                 "int8-channel", "int8-token", algorithms={"smoothquant": {"alpha": 0.8}, "gptq": {}}),
         _preset("w8a8-int8-static-sq", "W8A8 INT8 static per-tensor activations, SmoothQuant 0.8",

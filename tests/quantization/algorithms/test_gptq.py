@@ -17,6 +17,7 @@ SCHEMES = {
     "int4-block16x32": Scheme(F.INT4, block(16, 32)),
     "mxfp4": PRESETS["mxfp4"],
     "nvfp4": PRESETS["nvfp4"],
+    "int2-g32": Scheme(F.INT2, group(32), scale_dtype="bf16", full_range=True),
 }
 
 
@@ -72,14 +73,17 @@ def test_diagonal_hessian_equals_rtn_in_any_order(name):
     _same_qtensor(gptq(w, h, scheme, act_order=True), quantize(w, scheme))
 
 
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int8-channel", "int4-tensor", "mxfp4", "nvfp4", "int4-block16x32"])
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int8-channel", "int4-tensor", "mxfp4", "nvfp4", "int4-block16x32",
+                                  "int2-g32"])
 def test_gptq_beats_rtn_on_correlated_inputs(name):
     scheme = SCHEMES[name]
     w, x = _weight(), _correlated_inputs()
     rtn = _output_error(w, fake_quantize(w, scheme), x)
     plain = _output_error(w, dequantize(gptq(w, _hessian(x), scheme)), x)
     ordered = _output_error(w, dequantize(gptq(w, _hessian(x), scheme, act_order=True, static_groups=True)), x)
-    assert plain < 0.7 * rtn
+    # at 2 bits the error fed forward in plain column order recovers less (0.80 of RTN's error here); the
+    # activation order recovers most of it (0.19)
+    assert plain < (0.85 if name == "int2-g32" else 0.7) * rtn
     assert ordered < plain
 
 

@@ -11,7 +11,7 @@ from lowbit.numerics.scheme import PRESETS
 from lowbit.quantization.algorithms import LearnedRounding, gptq, optimize_rounding
 from lowbit.quantization.algorithms.rtn import mse_qparams
 
-SCHEMES = ["int4-g64", "int4-g64-asym", "int4-channel", "int8-channel", "mxfp4", "nvfp4", "fp8-block"]
+SCHEMES = ["int4-g64", "int4-g64-asym", "int4-channel", "int8-channel", "mxfp4", "nvfp4", "fp8-block", "int2-g64"]
 
 
 def _w(rows=128, cols=256, seed=0):
