@@ -45,20 +45,6 @@ SCHEMES = {
 }
 
 
-def fill_group_formats(config_path: Path) -> list[str]:
-    """AutoRound 0.15.1's MXFP4 / NVFP4 export leaves each config group's ``format`` null and sets only
-    the top-level one; the compressed-tensors that lowbit reads with looks the group's up and fails.
-    Copy the top-level format into the groups that lack one (the weights are untouched) and say so."""
-    cfg = json.loads(config_path.read_text())
-    q = cfg.get("quantization_config") or {}
-    fixed = [name for name, g in (q.get("config_groups") or {}).items() if g.get("format") is None and q.get("format")]
-    for name in fixed:
-        q["config_groups"][name]["format"] = q["format"]
-    if fixed:
-        config_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    return [f"config group {n}: format null, set to the top-level {q['format']!r}" for n in fixed]
-
-
 def main() -> None:
     config, model_dir, calib_path, out_dir = sys.argv[1:5]
     iters_override = int(sys.argv[5]) if len(sys.argv) > 5 else None  # smoke tests only
@@ -90,9 +76,8 @@ def main() -> None:
             f.replace(out / f.name)
         inner[0].rmdir()
     copy_tokenizer_files(Path(model_dir), out)
-    fixed = fill_group_formats(out / "config.json")
     print("PEER_RESULT " + json.dumps({"config": config, "recipe": recipe, "iters": iters, "quantize_seconds": seconds,
-                                        "peak_mib": peak_rss_mib(), "out": str(out), "config_fixups": fixed,
+                                        "peak_mib": peak_rss_mib(), "out": str(out),
                                         "autoround_kwargs": {k: v for k, v in kwargs.items() if k != "dataset"}}),
           flush=True)
 

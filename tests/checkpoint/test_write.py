@@ -320,3 +320,22 @@ def test_load_model_reads_a_compressed_tensors_folder(exported):
         # compressed-tensors 0.20 decompresses FP4 in bf16 (see docs/export.md)
         assert torch.equal(got, dequantize(qt)) or torch.equal(got, dequantize(qt, torch.bfloat16).float()), name
     assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_a_group_without_a_format_takes_the_configs(tmp_path):
+    """AutoRound 0.15.1's MXFP4 / NVFP4 export sets only the config's top-level ``format`` and leaves
+    each group's null; the folder reads as the same weights."""
+    from lowbit.models.loading import read_into
+
+    model, state = _quantized(RECIPES["w4a16-mxfp4"])
+    out = tmp_path / "ct"
+    export(model, state, out, dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert q["format"] and all(g["format"] == q["format"] for g in q["config_groups"].values())
+    for g in q["config_groups"].values():
+        g["format"] = None
+    (out / "config.json").write_text(json.dumps(cfg))
+    loaded = read_into(_wide_llama(), out)
+    for name, qt in state.weights.items():
+        assert torch.equal(loaded.get_submodule(name).weight, dequantize(qt)), name

@@ -248,7 +248,9 @@ def read_into(model: nn.Module, folder: Path) -> nn.Module:
         if not local:
             continue
         scheme = groups[0] if len(groups) == 1 else next(g for g in groups if name in g.targets)
-        stored[f"{name}.weight"] = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"]
+        # a group without a format of its own takes the config's (AutoRound's FP4 export writes only that one)
+        fmt = scheme.format or parsed.format
+        stored[f"{name}.weight"] = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme)["weight"]
     for name, p in params.items():
         if name in stored:
             p.copy_(stored[name].to(p.dtype))
