@@ -12,6 +12,7 @@ The JSON is rewritten after every point, so an interrupted run keeps what it mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -21,6 +22,7 @@ from pathlib import Path
 from lowbit.evaluation.workbench import Workbench
 from lowbit.planning.scores import PROXIES, rank_correlation, unit_kl
 from lowbit.planning.search import heuristic_recipe, measure, parse_candidates, search, units_of
+from lowbit.quantization.recipe import load_recipe
 from lowbit.util.io import write_json
 
 
@@ -36,6 +38,10 @@ def main() -> None:
     ap.add_argument("--validate-windows", type=int, default=4)
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--uniform", default="", help="uniform recipes to evaluate here too (comma-separated)")
+    ap.add_argument("--algorithms", default=None,
+                    help="a calibration recipe (preset or YAML) whose methods run on every searched and heuristic mix, "
+                         "e.g. w4a16-gptq-g128 for GPTQ; the uniform points name their own recipes")
+    ap.add_argument("--skip-validation", action="store_true", help="do not measure the proxy on single units")
     ap.add_argument("--json", required=True)
     ap.add_argument("--png", default=None)
     ap.add_argument("--replot", action="store_true", help="only draw --png from the points already in --json")
@@ -59,7 +65,8 @@ def main() -> None:
                            progress=True)
     bench.reference  # computed (or read) before any timing
     t0 = time.perf_counter()
-    first, scores = search(bench, cands, float(args.budgets.split(",")[0]), score_windows=args.score_windows)
+    first, scores = search(bench, cands, float(args.budgets.split(",")[0]), score_windows=args.score_windows,
+                           algorithms=args.algorithms)
     out["search_seconds"] = {"scores+solve (wall)": time.perf_counter() - t0, **first.seconds,
                              "load_average": os.getloadavg()}
     print("search", out["search_seconds"], flush=True)
@@ -75,7 +82,7 @@ def main() -> None:
         save()
 
     def searched(budget, label=None):
-        res, _ = search(bench, cands, budget, scores=scores, name=label)
+        res, _ = search(bench, cands, budget, scores=scores, name=label, algorithms=args.algorithms)
         measure(bench, res)
         point("search", res.recipe.name, res.measured, res.average_bits, res.predicted_kl,
               {"budget": budget, "counts": res.counts(), "recipe_yaml": res.recipe_yaml})
@@ -84,8 +91,6 @@ def main() -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     searched(budgets[0])
     for name in [x for x in args.uniform.split(",") if x]:
-        from lowbit.quantization.recipe import load_recipe
-
         row = bench.run(load_recipe(name))
         point("uniform", name, row, row.weight_bits)
     # the proxy against the measured single-unit KL, on random (unit, format) pairs
@@ -93,6 +98,8 @@ def main() -> None:
     quantized = [c for c in cands if c.scheme is not None]
     rng = random.Random(0)
     pairs = [(rng.randrange(len(units)), rng.randrange(len(quantized))) for _ in range(args.validate)]
+    if args.skip_validation:
+        pairs = []
     val = []
     t1 = time.perf_counter()
     for ui, ci in pairs:
@@ -101,18 +108,21 @@ def main() -> None:
         val.append({"unit": u.name, "format": c.name, "measured_kl": kl,
                     **{p: float(sum(scores.values[p][n][ci] for n in u.modules)) for p in PROXIES}})
         print(val[-1], flush=True)
-    out["validation"] = {
-        "pairs": val, "windows": args.validate_windows, "seconds": time.perf_counter() - t1,
-        "spearman": {p: rank_correlation([v["measured_kl"] for v in val], [v[p] for v in val]) for p in PROXIES},
-        "sum_ratio_predicted_over_measured": {p: sum(v[p] for v in val) / sum(v["measured_kl"] for v in val)
-                                              for p in PROXIES},
-    }
-    print("validation", out["validation"]["spearman"], out["validation"]["sum_ratio_predicted_over_measured"], flush=True)
+    if val:
+        out["validation"] = {
+            "pairs": val, "windows": args.validate_windows, "seconds": time.perf_counter() - t1,
+            "spearman": {p: rank_correlation([v["measured_kl"] for v in val], [v[p] for v in val]) for p in PROXIES},
+            "sum_ratio_predicted_over_measured": {p: sum(v[p] for v in val) / sum(v["measured_kl"] for v in val)
+                                                  for p in PROXIES},
+        }
+        print("validation", out["validation"]["spearman"], out["validation"]["sum_ratio_predicted_over_measured"], flush=True)
     save()
 
     base, high = parse_candidates(f"{args.heuristic_base},{args.heuristic_high}")[:2]
     for kind in ("edges", "down"):
         r = heuristic_recipe(bench.model, base, high, kind)
+        if args.algorithms:
+            r = dataclasses.replace(r, algorithms=load_recipe(args.algorithms).algorithms)
         row = bench.run(r)
         point("heuristic", r.name, row, row.weight_bits)
         searched(row.weight_bits, f"search-at-{kind}")
