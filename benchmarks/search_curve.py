@@ -12,7 +12,6 @@ The JSON is rewritten after every point, so an interrupted run keeps what it mea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -34,14 +33,13 @@ def main() -> None:
     ap.add_argument("--heuristic-base", default="nvfp4")
     ap.add_argument("--heuristic-high", default="int8-channel")
     ap.add_argument("--score-windows", type=int, default=16)
-    ap.add_argument("--validate", type=int, default=24, help="(unit, format) pairs measured one at a time")
+    ap.add_argument("--validate", type=int, default=24, help="(unit, format) pairs measured one at a time (0: none)")
     ap.add_argument("--validate-windows", type=int, default=4)
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--uniform", default="", help="uniform recipes to evaluate here too (comma-separated)")
     ap.add_argument("--algorithms", default=None,
                     help="a calibration recipe (preset or YAML) whose methods run on every searched and heuristic mix, "
                          "e.g. w4a16-gptq-g128 for GPTQ; the uniform points name their own recipes")
-    ap.add_argument("--skip-validation", action="store_true", help="do not measure the proxy on single units")
     ap.add_argument("--json", required=True)
     ap.add_argument("--png", default=None)
     ap.add_argument("--replot", action="store_true", help="only draw --png from the points already in --json")
@@ -61,12 +59,13 @@ def main() -> None:
         write_json(Path(args.json), out, force=True)
 
     cands = parse_candidates(args.candidates)
+    algorithms = load_recipe(args.algorithms).algorithms if args.algorithms else None
     bench = Workbench.load(args.model, windows=args.windows, calib_windows=max(args.score_windows, 16),
                            progress=True)
     bench.reference  # computed (or read) before any timing
     t0 = time.perf_counter()
     first, scores = search(bench, cands, float(args.budgets.split(",")[0]), score_windows=args.score_windows,
-                           algorithms=args.algorithms)
+                           algorithms=algorithms)
     out["search_seconds"] = {"scores+solve (wall)": time.perf_counter() - t0, **first.seconds,
                              "load_average": os.getloadavg()}
     print("search", out["search_seconds"], flush=True)
@@ -82,7 +81,7 @@ def main() -> None:
         save()
 
     def searched(budget, label=None):
-        res, _ = search(bench, cands, budget, scores=scores, name=label, algorithms=args.algorithms)
+        res, _ = search(bench, cands, budget, scores=scores, name=label, algorithms=algorithms)
         measure(bench, res)
         point("search", res.recipe.name, res.measured, res.average_bits, res.predicted_kl,
               {"budget": budget, "counts": res.counts(), "recipe_yaml": res.recipe_yaml})
@@ -98,8 +97,6 @@ def main() -> None:
     quantized = [c for c in cands if c.scheme is not None]
     rng = random.Random(0)
     pairs = [(rng.randrange(len(units)), rng.randrange(len(quantized))) for _ in range(args.validate)]
-    if args.skip_validation:
-        pairs = []
     val = []
     t1 = time.perf_counter()
     for ui, ci in pairs:
@@ -120,9 +117,7 @@ def main() -> None:
 
     base, high = parse_candidates(f"{args.heuristic_base},{args.heuristic_high}")[:2]
     for kind in ("edges", "down"):
-        r = heuristic_recipe(bench.model, base, high, kind)
-        if args.algorithms:
-            r = dataclasses.replace(r, algorithms=load_recipe(args.algorithms).algorithms)
+        r = heuristic_recipe(bench.model, base, high, kind, algorithms)
         row = bench.run(r)
         point("heuristic", r.name, row, row.weight_bits)
         searched(row.weight_bits, f"search-at-{kind}")

@@ -182,6 +182,9 @@ def test_heuristics(bench):
     down = heuristic_recipe(bench.model, base, high, "down").resolve(names)
     assert {n for n, (w, _) in edges.items() if w == high.scheme} == set(names)  # two layers: both are edges
     assert {n for n, (w, _) in down.items() if w == high.scheme} == {n for n in names if n.endswith("down_proj")}
+    gptq = load_recipe("w4a16-gptq-g128").algorithms
+    assert heuristic_recipe(bench.model, base, high, "down", gptq).algorithms == gptq  # GPTQ runs on the mix
+    assert heuristic_recipe(bench.model, base, high, "down").algorithms.gptq is None
     with pytest.raises(ValueError, match="edges or down"):
         heuristic_recipe(bench.model, base, high, "middle")
 

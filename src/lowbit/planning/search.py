@@ -278,9 +278,11 @@ def measure(bench: Workbench, result: SearchResult) -> SearchResult:
     return result
 
 
-def heuristic_recipe(model: nn.Module, base: Candidate, high: Candidate, kind: str) -> Recipe:
+def heuristic_recipe(model: nn.Module, base: Candidate, high: Candidate, kind: str,
+                     algorithms: Algorithms | None = None) -> Recipe:
     """The common hand-made mixes: ``edges`` (first and last decoder layers in ``high``) or
-    ``down`` (every down_proj in ``high``), the rest in ``base``."""
+    ``down`` (every down_proj in ``high``), the rest in ``base``; ``algorithms`` (e.g. GPTQ) run
+    on the mix as in :func:`search`."""
     arch = arch_of(model)
     n = len(model.get_submodule(arch.layers))
     if kind == "edges":
@@ -291,4 +293,5 @@ def heuristic_recipe(model: nn.Module, base: Candidate, high: Candidate, kind: s
         raise ValueError(f"heuristic must be edges or down, got {kind!r}")
     rules = [Rule(("*",), base.scheme), Rule(targets, high.scheme)]
     return Recipe(name=f"{base.name}+{high.name}-{kind}", rules=tuple(rules),
-                  description=f"{base.name}, {'first and last layers' if kind == 'edges' else 'down_proj'} in {high.name}")
+                  description=f"{base.name}, {'first and last layers' if kind == 'edges' else 'down_proj'} in {high.name}",
+                  algorithms=algorithms or Algorithms())
