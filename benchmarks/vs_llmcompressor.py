@@ -125,10 +125,10 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: s
     from lowbit.models.loading import load_model
     from lowbit.models.offload import LayerStore
     from lowbit.quantization.pipeline import quantize
-    from lowbit.quantization.recipe import RECIPES
+    from lowbit.quantization.recipe import load_recipe
     from lowbit.quantization.runtime import quantized_execution
 
-    recipe = RECIPES[recipe_name]
+    recipe = load_recipe(recipe_name)  # a preset, or a recipe YAML
     calib = load_file(calib_path)["input_ids"]
     layerwise = recipe.algorithms.layerwise
     if layerwise:  # the calibration pipeline loads decoder layers one at a time from the checkpoint

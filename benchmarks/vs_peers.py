@@ -70,7 +70,7 @@ DEFAULT_SIDES = "lowbit,autoround:light,autoround:default,gptqmodel:default,gptq
 
 
 def expand_sides(text: str, row: Row) -> list[str]:
-    """``lowbit`` stands for every lowbit preset of the row; ``lowbit:NAME`` for one."""
+    """``lowbit`` stands for every lowbit preset of the row; ``lowbit:NAME`` for one (a preset, or a recipe YAML's path)."""
     out = []
     for s in (t.strip() for t in text.split(",") if t.strip()):
         if s == "lowbit":
@@ -83,7 +83,7 @@ def expand_sides(text: str, row: Row) -> list[str]:
             else:
                 print(f"{row.key}: {s} does not quantize to this format; skipped", file=sys.stderr)
         else:
-            raise SystemExit(f"unknown side {s!r}; choose from lowbit, lowbit:PRESET, {', '.join(PEER_SIDES)}")
+            raise SystemExit(f"unknown side {s!r}; choose from lowbit, lowbit:PRESET|YAML, {', '.join(PEER_SIDES)}")
     return list(dict.fromkeys(out))
 
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="w4a16-g64-sym", help="comma list of: " + ", ".join(ROWS))
     ap.add_argument("--sides", default=DEFAULT_SIDES,
-                    help=f"comma list of lowbit, lowbit:PRESET, {', '.join(PEER_SIDES)} (default {DEFAULT_SIDES})")
+                    help=f"comma list of lowbit, lowbit:PRESET|YAML, {', '.join(PEER_SIDES)} (default {DEFAULT_SIDES})")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--calib", type=int, default=128)

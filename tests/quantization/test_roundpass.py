@@ -11,6 +11,7 @@ import torch
 from lowbit.numerics.qtensor import dequantize
 from lowbit.quantization.pipeline import quantize
 from lowbit.quantization.recipe import RECIPES, recipe_from_dict
+from lowbit.quantization.roundpass import compute_dtype
 from tinymodels import token_windows, wide_llama
 
 
@@ -69,6 +70,7 @@ def test_qtensors_are_dropped_when_not_kept():
     ({"steps": -1}, "steps"), ({"target": "teacher"}, "target"), ({"clip_min": 0.0}, "clip_min"),
     ({"windows": 2, "batch": 4}, "batch"), ({"lr": 0}, "lr"), ({"clip_lr": -1.0}, "clip_lr"), ({"checks": 0}, "checks"),
     ({"stepz": 3}, "unknown key"), ({"steps": "many"}, "expected int"), ({"threads": -1}, "threads"),
+    ({"compute": "fp16"}, "compute"),
 ])
 def test_bad_settings_are_refused_when_the_recipe_is_read(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -109,3 +111,12 @@ def test_export_round_trip(tmp_path):
     back = dict(read_into(wide_llama(), tmp_path / "ro").named_parameters())
     for n, p in model.named_parameters():
         assert torch.equal(back[n], p), n
+
+
+def test_compute_dtype_settings():
+    cpu = torch.device("cpu")
+    assert compute_dtype("fp32", cpu) is None
+    assert compute_dtype("bf16", cpu) is torch.bfloat16
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert compute_dtype("auto", cpu) is (torch.bfloat16 if native else None)
+    assert compute_dtype("auto", torch.device("meta")) is None

@@ -24,7 +24,7 @@ from .methods import RoundOptConfig
 from .recipe import Recipe
 from .runtime import QuantState
 
-__all__ = ["LayerRounding", "check_round_opt"]
+__all__ = ["LayerRounding", "check_round_opt", "compute_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,22 @@ def check_round_opt(recipe: Recipe, plan: dict) -> None:
             f"{quantized_inputs[0]}): the trained layer does not run activation quantizers; use a weight-only recipe")
     if recipe.kv_cache is not None:
         raise NotImplementedError("round_opt with a quantized KV cache is not implemented; use a weight-only recipe")
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of learned rounding's training steps for ``compute`` (see
+    :class:`~lowbit.quantization.methods.RoundOptConfig`); None: the weights' own (fp32)."""
+    if setting == "fp32":
+        return None
+    if setting == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    elif device.type == "cpu":
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    else:
+        native = False
+    return torch.bfloat16 if native else None
 
 
 def _out(o):
@@ -112,7 +128,8 @@ class LayerRounding:
         try:
             result = A.optimize_rounding(forward, weights, {n: state.weights[n] for n in weights}, saved["batches"],
                                          steps=cfg.steps, lr=cfg.lr, clip_lr=cfg.clip_lr, learn_clip=cfg.learn_clip,
-                                         clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads)
+                                         clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads,
+                                         compute=compute_dtype(cfg.compute, next(iter(weights.values())).device))
         finally:
             for p, flag in grads:
                 p.requires_grad_(flag)

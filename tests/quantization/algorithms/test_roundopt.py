@@ -95,6 +95,18 @@ def test_it_lowers_the_block_output_error_and_never_raises_it(name, learn_clip):
     assert res.loss_final < 0.85 * res.loss_init, (res.loss_init, res.loss_final)
 
 
+def test_bf16_steps_are_judged_in_the_weights_dtype():
+    """Training steps under bf16 autocast still lower the error, and the reported losses (the
+    checks that choose the result) are the fp32 ones of the QTensors returned."""
+    forward, weights, batches = _mlp_problem()
+    inits = {n: quantize(w, PRESETS["int4-g64"]) for n, w in weights.items()}
+    res = optimize_rounding(forward, weights, inits, batches, steps=60, checks=3, compute=torch.bfloat16)
+    loss = sum(float(((forward({n: dequantize(q) for n, q in res.qtensors.items()}, x) - t) ** 2).sum())
+               for x, t in batches) / sum(t.numel() for _, t in batches)
+    assert loss == pytest.approx(res.loss_final, rel=1e-5)
+    assert res.loss_final < 0.85 * res.loss_init, (res.loss_init, res.loss_final)
+
+
 def test_a_start_it_cannot_beat_is_kept():
     """With a step size that only thrashes, every check is worse than the start: the inits
     themselves come back."""

@@ -246,7 +246,8 @@ def optimize_rounding(
     learn_clip: bool = True,
     clip_min: float = 0.5,
     checks: int = 2,
-    threads: int = 1,
+    threads: int = 0,
+    compute: torch.dtype | None = None,
 ) -> RoundingResult:
     """Tune the rounding of ``weights`` jointly so that ``forward`` (a block: a decoder layer)
     with the quantized weights reproduces the targets (SignRound, Cheng et al. §3).
@@ -266,11 +267,14 @@ def optimize_rounding(
         checks: how many times (evenly spaced, the last after the final step) the loss over
             every batch is measured; the best of those and the start is returned, so the
             result never has a larger loss on ``batches`` than the inits.
-        threads: torch's intra-op threads while tuning (0: as they are).  The step is many
-            elementwise passes over every weight of the block: on this project's 2 shared
-            CPU cores one thread ran a SmolLM2 layer's step 3–4× faster than two (each
-            elementwise op paid a synchronisation: fake-quantization and its backward over
-            the layer's 3.3M weights took 2.1 s with two threads, 0.11 s with one).
+        threads: torch's intra-op threads while tuning (0: as they are).  On an idle 2-core
+            CPU two threads ran a SmolLM2 layer's step 1.66× faster than one
+            (``benchmarks/roundopt_step.py``); on 2 cores shared with other jobs one thread
+            was 3–4× faster than two (every elementwise op paid a synchronisation).
+        compute: the dtype the training steps' forward and backward run in under autocast
+            (``torch.bfloat16``: matmuls in bf16, the weights' rounding and the loss in fp32);
+            None: the weights' own.  The loss checks, and so the choice of the result, are
+            always computed in the weights' dtype: what is kept is judged as it is stored.
 
     Returns:
         :class:`RoundingResult`.
@@ -282,12 +286,14 @@ def optimize_rounding(
     if not batches:
         raise ValueError("optimize_rounding: no training batches")
     with torch_threads(threads):
-        return _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks)
+        return _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks, compute)
 
 
-def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks) -> RoundingResult:
+def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks,
+              compute) -> RoundingResult:
     names = list(weights)
     dtypes = {n: weights[n].dtype for n in names}
+    device = next(iter(weights.values())).device.type
 
     def full_loss(ws: dict[str, torch.Tensor]) -> float:
         with torch.no_grad():
@@ -307,7 +313,9 @@ def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, 
         for t in range(steps):
             x, target = batches[t % len(batches)]
             ws = {n: r.weight().to(dtypes[n]) for n, r in rounding.items()}
-            loss = torch.nn.functional.mse_loss(forward(ws, x).float(), target.float())
+            with torch.autocast(device, dtype=compute or torch.float32, enabled=compute is not None):
+                y = forward(ws, x)
+            loss = torch.nn.functional.mse_loss(y.float(), target.float())
             loss.backward()
             decay = 1.0 - t / steps
             for r in rounding.values():
