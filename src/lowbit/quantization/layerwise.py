@@ -278,6 +278,7 @@ def quantize_layerwise(
             if rounding is not None:  # tune the layer's rounding; its outputs are computed again
                 stage("learned rounding")
                 t_r = time.perf_counter()
+                inputs = None  # the pass's outputs: recomputed from the tuned weights, not kept beside them
                 inputs = rounding.after(i, layers[i], layer_kwargs[i], modules, state, keep_qtensors, ctx.anchors)
                 times["rounding"] += time.perf_counter() - t_r
             if home is not None:

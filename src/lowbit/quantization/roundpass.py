@@ -142,6 +142,8 @@ class LayerRounding:
         self.losses.append((result.loss_init, result.loss_final))
         log.info("layer %d learned rounding: block-output MSE %.4g → %.4g (%d steps)", i, result.loss_init,
                  result.loss_final, result.steps)
-        outputs = [_out(layer(x, **kwargs)) for x in saved["inputs"]]
+        ins, outputs = saved.pop("inputs"), []
+        while ins:  # each input chunk is released as its output is made
+            outputs.append(_out(layer(ins.pop(0), **kwargs)))
         self.seconds += time.perf_counter() - t0
         return outputs
