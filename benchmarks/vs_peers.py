@@ -102,7 +102,8 @@ def eval_folder(wb, folder: Path, name: str):
 
 def run_side(side: str, row: Row, a, wb, calib_path: Path, work: Path) -> dict:
     tool, _, variant = side.partition(":")
-    tag = f"{row.key}.{tool}-{variant}"
+    name = Path(variant).stem if variant.endswith((".yaml", ".yml")) else variant  # a recipe YAML: its file's stem
+    tag = f"{row.key}.{tool}-{name}"
     if tool == "lowbit":
         w = _run([sys.executable, str(HERE / "vs_llmcompressor.py"), "--_worker", variant, a.model, str(calib_path),
                   str(a.windows)], "lowbit", work, tag)
