@@ -1,7 +1,7 @@
 """The k-quants' round to nearest (llama-quantize's least-squares search): it finds a grid the
-weights already lie on — synthetic grids here, and the Q4_K/Q6_K tensors of the published Gemma
+weights already lie on — lowbit's own output here, and the Q4_K/Q6_K tensors of the published Gemma
 GGUF the packaged model was converted from — and rounds Gaussian weights with less error than
-min-max."""
+min-max.  The measured figures quoted below are printed by ``benchmarks/kquant_search.py``."""
 
 import numpy as np
 import pytest
@@ -30,7 +30,7 @@ def _gaussian(rows=16, cols=2048, seed=0):
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02
 
 
-#: measured fraction of elements given back exactly (seeds 0-4): 0.9999, 0.992, 1.0
+#: measured fraction of elements given back exactly (seeds 0-4): 0.999-1.0, 0.982-0.994, 0.9995-1.0
 GIVEN_BACK = {"q4_k": 0.999, "q5_k": 0.98, "q6_k": 0.999}
 
 
@@ -51,7 +51,7 @@ def test_less_error_than_min_max_on_gaussian_weights(name):
     t = G.get_type(name)
     m = _gaussian(64, seed=1)
     search, minmax = _rel(_rounded(m, t, rtn_params(m, t)), m), _rel(_rounded(m, t, G.minmax_params(m, t)), m)
-    assert search < 0.95 * minmax, (search, minmax)   # measured: 0.84, 0.90, 0.89 of min-max
+    assert search < 0.95 * minmax, (search, minmax)   # measured: 0.83, 0.90, 0.89 of min-max
 
 
 def test_fits_never_lose_to_min_max_under_their_weights():
@@ -121,7 +121,8 @@ def test_published_gemma_q4_k_m_tensors_are_found_again():
     """The Q4_K and Q6_K tensors of the published Gemma-3-270m GGUF (made by llama-quantize),
     dequantized by the ``gguf`` package and re-quantized by lowbit: the values come back (measured
     over the whole file: ≥ 99.8% of Q4_K super-blocks byte-identical, relative error ≤ 7e-7;
-    Q6_K values identical but for 0.03%: a sub-block with a symmetric code range has two signs)."""
+    Q6_K values identical but for ≤ 0.07% per tensor, its bytes less often: a sub-block with a
+    symmetric code range has two signs)."""
     gguf = pytest.importorskip("gguf")
     from lowbit.models.assets import source_gguf
 

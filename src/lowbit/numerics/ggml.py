@@ -112,7 +112,8 @@ def _signed_extreme(b: torch.Tensor) -> torch.Tensor:
 
 
 def minmax_params(m: torch.Tensor, t: GGMLType) -> tuple[torch.Tensor, ...]:
-    """Round-to-nearest parameters of ``m`` ``(rows, cols)`` from each block's own range.
+    """Min-max parameters of ``m`` ``(rows, cols)``: each block's own range (lowbit's round to nearest
+    for the one-level types; for the k-quants it is :func:`lowbit.numerics.ggml_search.rtn_params`).
 
     The one-level types follow ggml's reference quantizers (``quantize_row_*_ref``): q8_0
     ``d = amax / 127``; q4_0/q5_0 ``d = max / −8`` (``−16``) with ``max`` the signed

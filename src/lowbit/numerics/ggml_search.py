@@ -17,7 +17,7 @@ q6_k   −(32 + 0.1 k) / xₘ, k = −9 … 9          x²                      
 
 ``min`` is the block's minimum held ≤ 0 (as :func:`lowbit.numerics.ggml.block_params`),
 ``xₘ`` its element of largest magnitude with its sign.  The min-max parameters are a
-candidate too, so the search never stores a fit worse (under its weights) than min-max.
+candidate too, so the search never keeps a sub-block fit worse (under its weights) than min-max's.
 The fitted sub-block scales then go through the same second level (6-/8-bit codes against
 fp16 super-scales, :func:`lowbit.numerics.ggml.second_level`).
 
@@ -89,8 +89,8 @@ def rtn_params(m: torch.Tensor, t: G.GGMLType, importance: torch.Tensor | None =
 
 
 def _rowsum(v: torch.Tensor) -> torch.Tensor:
-    """``v.sum(-1)`` as a matrix-vector product (torch's CPU reduction over a short last
-    dimension is many times slower), returned in float64 for the fits' solves."""
+    """``v.sum(-1)`` as a matrix-vector product (on this project's 2-core CPU 1.6× faster than
+    torch's reduction over a last dimension of 32), returned in float64 for the fits' solves."""
     return (v @ torch.ones(v.shape[-1], 1, dtype=v.dtype, device=v.device)).squeeze(-1).double()
 
 
