@@ -1,4 +1,4 @@
-"""llamacpp tier: the Gemma-3 and Qwen2 files lowbit writes load in llama.cpp and compute what
+"""llamacpp tier: the Gemma-3, Qwen2 and Qwen3 files lowbit writes load in llama.cpp and compute what
 transformers computes. Skipped with the reason when ``make llama-cpp`` has not been run."""
 
 import json
@@ -42,44 +42,51 @@ def test_gemma3_f32_and_q4_k_in_llama_cpp(tmp_path):
     assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.02, c.delta_ppl
 
 
-def _tiny_qwen2_folder(root):
-    """A random 2-layer Qwen2 (q/k/v biases) with SmolLM2's vocabulary and a real tokenizer (SmolLM2's:
-    no Qwen tokenizer is available offline), weights scaled up so attention and logits are peaked."""
+def _tiny_folder(root, arch: str):
+    """A random 2-layer Qwen2 (q/k/v biases) or Qwen3 (per-head q/k RMSNorms, a head size that is not
+    hidden / heads, as in the real Qwen3 models) with SmolLM2's vocabulary and a real tokenizer
+    (SmolLM2's: no Qwen tokenizer is available offline), weights scaled up so attention and logits
+    are peaked."""
     import transformers as T
 
     from lowbit.models.assets import fetch
 
     src = fetch("smollm2-135m")
     torch.manual_seed(0)
-    cfg = T.Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                        tie_word_embeddings=True, initializer_range=0.15, bos_token_id=0, eos_token_id=0)
-    m = T.Qwen2ForCausalLM(cfg).eval()
+    common = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=True, initializer_range=0.15, bos_token_id=0, eos_token_id=0)
+    if arch == "qwen2":
+        m = T.Qwen2ForCausalLM(T.Qwen2Config(**common)).eval()
+    else:
+        m = T.Qwen3ForCausalLM(T.Qwen3Config(**common, head_dim=96)).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
-    d = root / "tiny-qwen2-gguf-check"
+    d = root / f"tiny-{arch}-gguf-check"
     m.save_pretrained(d)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, d / name)
     return d
 
 
-def test_tiny_qwen2_f32_matches_transformers_in_llama_cpp(tmp_path):
-    """The Qwen2 writer's conventions (NEOX rows unpermuted, q/k/v biases, names): llama.cpp's F32
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tiny_qwen_f32_matches_transformers_in_llama_cpp(tmp_path, arch):
+    """The Qwen2 / Qwen3 writer's conventions (NEOX rows unpermuted, Qwen2's q/k/v biases, Qwen3's
+    QK-norms and head size, names): llama.cpp's F32
     log-probabilities equal transformers' on a random model whose attention is far from uniform;
     lowbit predicts a Q8_0 file's perplexity in llama.cpp within 2% (its tied embedding is Q6_K; measured
     0.86% with min-max k-quant rounding, 1.17% with the least-squares search — the 8-bit activation
     rounding's noise on 252 tokens of a random model) and its log-probabilities token by token to
-    KL < 5e-3 (measured 2.7e-3 and 2.6e-3)."""
+    KL < 5e-3 (measured 2.7e-3 and 2.6e-3 on Qwen2)."""
     from lowbit.checkpoint.gguf import write_gguf
     from lowbit.models.loading import load_model
     from lowbit.workflows.gguf import load_checked, quantize_for_gguf
 
-    d = _tiny_qwen2_folder(tmp_path)
+    d = _tiny_folder(tmp_path, arch)
     model, _, _ = load_model(str(d))
     qts, _ = quantize_for_gguf(model, "gguf-q8_0")
     f = write_gguf(model, qts, tmp_path / "q8.gguf", tokenizer_dir=d, name=d.name, add_bos=False)
@@ -88,7 +95,7 @@ def test_tiny_qwen2_f32_matches_transformers_in_llama_cpp(tmp_path):
         res = L.verify_gguf([f], reference=str(d), ctx=128, chunks=4)
     finally:
         shutil.rmtree(cache_dir() / "verify" / "llama.cpp" / d.name, ignore_errors=True)
-    print("tiny qwen2:", json.dumps(res.to_dict()))  # the figures, for the log (pytest -s)
+    print(f"tiny {arch}:", json.dumps(res.to_dict()))  # the figures, for the log (pytest -s)
     n = res.noise
     assert n["kl_engine_f32_vs_lowbit"] < 1e-3 and n["same_top_engine_f32_vs_lowbit"] > 0.98
     assert n["engine_ppl"] > 50  # a random model: far from a trained one, far from uniform (49152)
