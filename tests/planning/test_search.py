@@ -11,7 +11,7 @@ from lowbit.checkpoint.write import export
 from lowbit.evaluation.compare import Workbench, weight_bits
 from lowbit.models.loading import ModelInfo
 from lowbit.numerics.scheme import PRESETS
-from lowbit.planning.scores import PROXIES, fisher_scores, rank_correlation, unit_kl
+from lowbit.planning.scores import PROXIES, calibrated_errors, fisher_scores, rank_correlation, unit_kl, weight_errors
 from lowbit.planning.search import (HIGH, heuristic_recipe, measure, parse_candidates, search, unit_costs,
                                     units_of)
 from lowbit.quantization.pipeline import quantize
@@ -175,6 +175,40 @@ def test_mix_with_gptq(bench):
     assert res.measured.eval.kl_mean != rtn.measured.eval.kl_mean
 
 
+def test_scores_from_gptq_errors(bench):
+    """Scored by the error GPTQ leaves: each weight's error is GPTQ's (the model quantized whole in
+    that format, layer by layer), which the proxy sees as a smaller output error than min-max
+    rounding's for every format; the search records the extra pass, the solve stays in budget,
+    and methods that change more than the rounding are refused."""
+    cands = parse_candidates("int4-channel,int8-channel")
+    names = [n for u in units_of(bench.model) for n in u.modules]
+    schemes = [c.scheme for c in cands if c.scheme is not None]  # bf16 is always a candidate
+    gptq = load_recipe("w4a16-gptq-g128").algorithms
+    deltas = calibrated_errors(bench.model, names, schemes, gptq, bench.calibration, progress=False)
+    rtn = [weight_errors(bench.model, names, s) for s in schemes]
+    for d, r in zip(deltas, rtn):
+        assert set(d) == set(names)
+        assert all(not torch.equal(d[n], r[n]) for n in names)  # GPTQ moved the codes
+    windows = bench.calib_windows[:4]
+    by_gptq = fisher_scores(bench.model, names, schemes, windows, deltas=deltas, progress=False)
+    by_rtn = fisher_scores(bench.model, names, schemes, windows, progress=False)
+    for k in range(len(schemes)):
+        g = sum(by_gptq.values["token"][n][k] for n in names)
+        r = sum(by_rtn.values["token"][n][k] for n in names)
+        assert g < r, (schemes[k], g, r)
+    res, _ = search(bench, parse_candidates("int4-channel,int8-channel"), 6.0, score_windows=4,
+                    algorithms="w4a16-gptq-g128", score_algorithms=True)
+    assert "calibrated errors" in res.seconds and res.average_bits <= 6.0
+    assert res.recipe.algorithms.gptq is not None
+    with pytest.raises(ValueError, match="awq"):
+        calibrated_errors(bench.model, names, schemes, load_recipe("w4a16-awq-g64-asym").algorithms,
+                          bench.calibration, progress=False)
+    with pytest.raises(ValueError, match="calibration recipe"):
+        search(bench, cands, 6.0, score_windows=4, score_algorithms=True)
+    with pytest.raises(ValueError, match="2 schemes"):
+        fisher_scores(bench.model, names, schemes, windows, deltas=deltas[:1], progress=False)
+
+
 def test_heuristics(bench):
     base, high = parse_candidates("nvfp4,int8-channel")[:2]
     names = [n for u in units_of(bench.model) for n in u.modules]
@@ -207,3 +241,5 @@ def test_cli_refuses_bad_input_before_loading(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err and out.read_text() == "name: kept\n"
     assert main(args + ["--candidates", "nvfp4", "--algorithms", "no-such-recipe"]) == 2
     assert "unknown recipe" in capsys.readouterr().err
+    assert main(args + ["--candidates", "nvfp4", "--score-algorithms"]) == 2
+    assert "--algorithms" in capsys.readouterr().err

@@ -20,12 +20,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     # every bad input fails here, before the model is loaded
     candidates = parse_candidates(args.candidates)
     algorithms = load_recipe(args.algorithms).algorithms if args.algorithms else None
+    if args.score_algorithms and not args.algorithms:
+        raise ValueError("--score-algorithms scores the errors of --algorithms' methods; name a "
+                         "calibration recipe with --algorithms (e.g. w4a16-gptq-g128)")
     if args.out:
         refuse_existing(Path(args.out), args.force)
     bench = _bench(args, args.model, calib_windows=max(args.calib_windows, args.score_windows))
     result, _ = search(bench, candidates, args.budget_bits, granularity=args.granularity,
                        score_windows=args.score_windows, proxy=args.proxy, algorithms=algorithms,
-                       name=Path(args.out).stem if args.out else None)
+                       name=Path(args.out).stem if args.out else None, score_algorithms=args.score_algorithms)
     if args.out:
         atomic_write_text(Path(args.out), result.recipe_yaml)
         print(f"recipe written to {args.out}")
@@ -63,6 +66,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", metavar="RECIPE.yaml", help="write the chosen mix as a recipe here (refused if it exists)")
     p.add_argument("--algorithms", metavar="RECIPE",
                    help="run this recipe's calibration methods on the mix (e.g. w4a16-gptq-g128: GPTQ)")
+    p.add_argument("--score-algorithms", action="store_true",
+                   help="score each format by the weight error --algorithms leave (GPTQ, MSE, learned rounding: one "
+                        "calibrated quantization per format) instead of min-max rounding's")
     p.add_argument("--score-windows", type=int, default=16,
                    help="calibration windows the Fisher scores are taken on (default 16)")
     p.add_argument("--proxy", choices=PROXIES, default="token", help="which Fisher estimate scores units (default token)")

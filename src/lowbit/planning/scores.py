@@ -16,13 +16,18 @@ gradient score), ``window`` squares the whole window's ``Σ_t g_t · ΔW x_t`` (
 :func:`unit_kl` measures the real thing on a subset, so that the proxy's agreement can be shown
 (:func:`rank_correlation`).  Rounding is the min-max rounding of
 :func:`lowbit.quantization.pipeline.quantize` (with the NVFP4 global scale shared by fused
-siblings), so the scores describe what ``quantize`` does.
+siblings), so the scores describe what ``quantize`` does — or, with
+:func:`calibrated_errors`, the error a weight method (GPTQ, the MSE observer, learned rounding)
+leaves in each format, so that a mix to be quantized with GPTQ is chosen by GPTQ's errors: GPTQ
+helps some formats far more than others.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +39,13 @@ from ..evaluation.metrics import Reference, evaluate
 from ..evaluation.workbench import Workbench
 from ..numerics.qtensor import compute_qparams, fake_quantize
 from ..numerics.scheme import Scheme
+from ..quantization.pipeline import quantize
+from ..quantization.recipe import Algorithms, Recipe, Rule
 from ..quantization.runtime import plain_forward
 from ..quantization.targets import shared_global_scales, sibling_groups
 from ..util.progress import progress_bar
 
-__all__ = ["PROXIES", "Scores", "weight_errors", "fisher_scores", "unit_kl", "rank_correlation"]
+__all__ = ["PROXIES", "Scores", "weight_errors", "calibrated_errors", "fisher_scores", "unit_kl", "rank_correlation"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,42 @@ def weight_errors(model: nn.Module, names: list[str], scheme: Scheme) -> dict[st
     return out
 
 
+#: methods that change the model beyond its weights' rounding (a basis, a rescaled norm, kept
+#: channels): the difference of a weight before and after them is not a rounding error
+_NOT_ROUNDING = ("rotation", "smoothquant", "awq", "outliers")
+
+
+def calibrated_errors(model: nn.Module, names: list[str], schemes: list[Scheme], algorithms: Algorithms,
+                      calibration: torch.Tensor, *, stats: Callable | None = None,
+                      progress: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Per scheme, ``Q(W) − W`` of each Linear in ``names`` after quantizing a copy of ``model``
+    with every one of them in that scheme and ``algorithms`` run layer by layer on
+    ``calibration`` (one pipeline run per scheme).  Each unit's error is therefore measured with
+    the layers before it quantized alike, not in the mix finally chosen: an approximation, as the
+    additivity of the scores is.
+
+    Raises:
+        ValueError: methods whose effect is not a rounding of the weights alone (rotations,
+            SmoothQuant, AWQ, outlier channels) or no calibration windows.
+    """
+    bad = [k for k in _NOT_ROUNDING if getattr(algorithms, k) is not None]
+    if bad:
+        raise ValueError(f"scores from the algorithms' errors take weight methods only (GPTQ, the MSE observer, "
+                         f"learned rounding); {', '.join(bad)} change more than the weights' rounding")
+    if calibration is None or len(calibration) == 0:
+        raise ValueError("scores from the algorithms' errors need calibration windows")
+    modules = dict(model.named_modules())
+    out = []
+    for s in schemes:
+        q = copy.deepcopy(model)
+        recipe = Recipe(name="search-score", rules=(Rule(tuple(names), s),), algorithms=algorithms)
+        quantize(q, recipe, calibration, stats=stats, progress=progress)
+        qm = dict(q.named_modules())
+        out.append({n: (qm[n].weight.detach().float() - modules[n].weight.detach().float()) for n in names})
+        del q
+    return out
+
+
 @dataclass
 class Scores:
     """``values[proxy][module][c]``: the predicted KL (nats per token) of quantizing only
@@ -72,10 +115,11 @@ class Scores:
 
 
 def fisher_scores(model: nn.Module, names: list[str], schemes: list[Scheme], windows: torch.Tensor, *,
-                  seed: int = 0, progress: bool = True) -> Scores:
+                  seed: int = 0, progress: bool = True, deltas: list[dict[str, torch.Tensor]] | None = None) -> Scores:
     """The Fisher proxy of the single-module KL for each Linear in ``names`` under each of
     ``schemes``, averaged over the ``(n, seq)`` token ``windows`` (one forward and backward
-    pass each, in this process; labels sampled with ``seed``)."""
+    pass each, in this process; labels sampled with ``seed``).  ``deltas``: the weight errors
+    per scheme (:func:`calibrated_errors`); default min-max rounding's (:func:`weight_errors`)."""
     if len(windows) == 0:
         raise ValueError("fisher_scores: no windows to score on")
     t0 = time.perf_counter()
@@ -83,7 +127,10 @@ def fisher_scores(model: nn.Module, names: list[str], schemes: list[Scheme], win
     missing = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
     if missing:
         raise ValueError(f"fisher_scores: not Linear modules of this model: {missing[:3]}")
-    deltas = [weight_errors(model, names, s) for s in schemes]
+    if deltas is None:
+        deltas = [weight_errors(model, names, s) for s in schemes]
+    elif len(deltas) != len(schemes):
+        raise ValueError(f"fisher_scores: {len(deltas)} sets of weight errors for {len(schemes)} schemes")
     acc = {p: {n: np.zeros(len(schemes)) for n in names} for p in PROXIES}
     window_sum: dict[str, torch.Tensor] = {}
     saved: dict[str, torch.Tensor] = {}

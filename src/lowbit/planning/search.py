@@ -30,7 +30,7 @@ from ..quantization.recipe import DEFAULT_IGNORE, RECIPES, Algorithms, Recipe, R
 from ..quantization.targets import layer_index, sibling_groups
 from .commands import recipe_yaml
 from .knapsack import solve
-from .scores import PROXIES, Scores, fisher_scores
+from .scores import PROXIES, Scores, calibrated_errors, fisher_scores
 
 __all__ = ["GRANULARITIES", "HIGH", "Candidate", "Unit", "SearchResult", "parse_candidates", "units_of",
            "unit_costs", "unit_losses", "search", "measure", "heuristic_recipe"]
@@ -222,12 +222,16 @@ def _recipe(name: str, description: str, units: list[Unit], picks: list[Candidat
 
 def search(bench: Workbench, candidates: list[Candidate], budget_bits: float, *, granularity: str = "module",
            score_windows: int = 16, proxy: str = "token", algorithms: Algorithms | str | None = None,
-           scores: Scores | None = None, name: str | None = None) -> tuple[SearchResult, Scores]:
+           scores: Scores | None = None, name: str | None = None,
+           score_algorithms: bool = False) -> tuple[SearchResult, Scores]:
     """Score (unless ``scores`` are given, e.g. from a search at another budget), then solve.
 
     Scores are taken on the bench's first ``score_windows`` calibration windows (the train
     split; never the evaluation windows).  ``algorithms``: a calibration recipe (preset name,
     YAML path or :class:`Algorithms`) whose methods run on the mix (GPTQ, AWQ, ...).
+    ``score_algorithms``: score each format by the weight error those methods leave
+    (:func:`lowbit.planning.scores.calibrated_errors`: one calibrated quantization of the whole
+    model per format, on the bench's calibration windows) instead of min-max rounding's.
 
     Raises:
         ValueError: a budget below the cheapest assignment (the message says the least
@@ -251,8 +255,17 @@ def search(bench: Workbench, candidates: list[Candidate], budget_bits: float, *,
             raise ValueError(f"the search scores on {score_windows} calibration windows; the bench has "
                              f"{len(bench.calib_windows)} (raise --calib-windows)")
         schemes = [c.scheme for c in candidates if c.scheme is not None]
-        scores = fisher_scores(bench.model, [n for u in units for n in u.modules], schemes,
-                               bench.calib_windows[:score_windows], seed=bench.seed, progress=bench.progress)
+        names = [n for u in units for n in u.modules]
+        deltas = None
+        if score_algorithms:
+            if not algorithms.layerwise:
+                raise ValueError("scoring by the algorithms' errors needs a calibration recipe (--algorithms)")
+            t0 = time.perf_counter()
+            deltas = calibrated_errors(bench.model, names, schemes, algorithms, bench.calibration,
+                                       stats=lambda: bench.stats, progress=bench.progress)
+            seconds["calibrated errors"] = time.perf_counter() - t0
+        scores = fisher_scores(bench.model, names, schemes, bench.calib_windows[:score_windows], seed=bench.seed,
+                               progress=bench.progress, deltas=deltas)
         seconds["scores"] = scores.seconds
     losses = unit_losses(units, candidates, scores, proxy)
     t0 = time.perf_counter()
