@@ -10,12 +10,13 @@
 5. ``lowbit verify --engine llama.cpp`` on every file, lowbit's and llama-quantize's, in one run:
    llama-perplexity's KLD against the F32 file, same text, same chunks.
 
-``--types`` names llama-quantize's types. ``Q4_K`` is llama-quantize with ``--pure`` (every
-tensor Q4_K, or the type it falls back to for rows that are not whole 256-blocks) and
-``--token-embedding-type q8_0``, the types of lowbit's ``gguf-q4_k`` (uniform) files; ``Q4_0``
-and ``Q4_K_M`` are llama-quantize's own mixes (Q4_0 with the tied output / embedding at Q6_K or its
-Q8_0 fallback; Q4_K_M with its ``use_more_bits`` layers at Q6_K, which
-``benchmarks/recipes/smollm2-q4_k_m*.yaml`` spell out as lowbit rules).
+``--types`` names llama-quantize's types. ``Q4_K`` / ``Q3_K`` are llama-quantize with ``--pure``
+(every tensor Q4_K / Q3_K, or the type it falls back to for rows that are not whole 256-blocks) and
+``--token-embedding-type q8_0``, the types of lowbit's ``gguf-q4_k`` / ``gguf-q3_k`` (uniform) files;
+``Q4_0``, ``Q4_K_M`` and ``Q3_K_M`` are llama-quantize's own mixes (Q4_0 with the tied output /
+embedding at Q6_K or its Q8_0 fallback; Q4_K_M with its ``use_more_bits`` layers at Q6_K, which
+``benchmarks/recipes/smollm2-q4_k_m*.yaml`` spell out as lowbit rules; Q3_K_M as the preset
+``gguf-q3_k_m``); ``IQ4_NL`` is llama-quantize's IQ4_NL mix (not lowbit's uniform ``gguf-iq4_nl``).
 
 Each lowbit file is paired with the llama-quantize files whose per-tensor types are the same
 (so the sizes agree to the metadata); the pairs and sizes are in the JSON.
@@ -39,7 +40,8 @@ from lowbit.evaluation.workbench import Workbench  # noqa: E402
 
 
 #: --types entry → (llama-quantize type, extra flags)
-SPECS = {"Q4_K": ("Q4_K_S", ["--pure", "--token-embedding-type", "q8_0"])}
+SPECS = {"Q4_K": ("Q4_K_S", ["--pure", "--token-embedding-type", "q8_0"]),
+         "Q3_K": ("Q3_K_S", ["--pure", "--token-embedding-type", "q8_0"])}
 
 
 def _run(cmd: list[str], log: Path) -> float:
@@ -55,7 +57,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lowbit", nargs="*", default=[], help="lowbit GGUF files to compare")
-    ap.add_argument("--types", default="Q4_0,Q4_K,Q4_K_M", help="llama-quantize types (Q4_K: --pure, see above)")
+    ap.add_argument("--types", default="Q4_0,Q4_K,Q4_K_M",
+                    help="llama-quantize types, e.g. Q4_0,Q4_K,Q4_K_M,Q3_K,Q3_K_M,IQ4_NL (Q4_K, Q3_K: --pure, see above)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=512)

@@ -1,6 +1,6 @@
 """The k-quant least-squares search (``lowbit.numerics.ggml_search``) against min-max rounding, in one run.
 
-Prints, for Q4_K / Q5_K / Q6_K: the squared error of the search relative to min-max on Gaussian weights;
+Prints, for Q4_K / Q5_K / Q6_K / Q3_K / IQ4_NL: the squared error of the search relative to min-max on Gaussian weights;
 the fraction of elements given back when lowbit's own output is rounded again (idempotence); over every
 Q4_K and Q6_K tensor of the published Gemma-3-270m GGUF (dequantized, then re-quantized by lowbit): the
 super-blocks that come back byte for byte, the relative error, the values that differ, and min-max's error
@@ -53,7 +53,7 @@ def _ms(f, n: int = 20) -> float:
 def main() -> int:
     import gguf
 
-    for name in ("q4_k", "q5_k", "q6_k"):
+    for name in ("q4_k", "q5_k", "q6_k", "q3_k", "iq4_nl"):
         t, scheme = G.get_type(name), PRESETS[f"gguf-{name}"]
         m = _gaussian(64, 1)
         ratio = _rel(_rounded(m, t, rtn_params(m, t)), m) / _rel(_rounded(m, t, G.minmax_params(m, t)), m)

@@ -8,9 +8,14 @@ import pytest
 import torch
 
 from lowbit.checkpoint.gguf import gguf_tensor_name, read_gguf_weights, rope_row_order, write_gguf
+from lowbit.quantization.recipe import recipe_from_dict
 from lowbit.workflows.gguf import EMBEDDING, gguf_recipe, load_checked, quantize_for_gguf
 
 gguf = pytest.importorskip("gguf")
+
+
+_IQ4_NL = recipe_from_dict({"name": "iq4_nl", "weights": "gguf-iq4_nl",
+                            "rules": [{"targets": ["model.embed_tokens"], "weights": "gguf-q6_k"}]}, "test")
 
 
 def _k_llama():
@@ -44,10 +49,10 @@ def test_names_and_rope_order():
     assert rope_row_order(8, 1).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
 
 
-@pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k_m", "gguf-q8_0"])
+@pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k_m", "gguf-q8_0", "gguf-q3_k_m", "gguf-iq4_nl"])
 def test_written_file_decodes_to_lowbits_weights(recipe, tok_dir, tmp_path):
     model = _k_llama()
-    qts, _ = quantize_for_gguf(model, recipe)
+    qts, _ = quantize_for_gguf(model, _IQ4_NL if recipe == "gguf-iq4_nl" else recipe)
     out = write_gguf(model, qts, tmp_path / "m.gguf", tokenizer_dir=tok_dir, name="tiny", add_bos=False)
     got = read_gguf_weights(out, model.config)
     sd = model.state_dict()
@@ -60,12 +65,36 @@ def test_written_file_decodes_to_lowbits_weights(recipe, tok_dir, tmp_path):
     if recipe == "gguf-q4_k_m":
         assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.0.attn_v.weight"] == "Q6_K"
         assert types["blk.0.ffn_down.weight"] == "Q6_K" and types["token_embd.weight"] == "Q6_K"
+    if recipe == "gguf-q3_k_m":     # one layer: V and down in the Q5_K layers, O Q4_K, the rest Q3_K
+        assert types["blk.0.attn_q.weight"] == "Q3_K" and types["blk.0.ffn_up.weight"] == "Q3_K"
+        assert types["blk.0.attn_v.weight"] == "Q5_K" and types["blk.0.ffn_down.weight"] == "Q5_K"
+        assert types["blk.0.attn_output.weight"] == "Q4_K" and types["token_embd.weight"] == "Q6_K"
+    if recipe == "gguf-iq4_nl":
+        assert types["blk.0.attn_q.weight"] == "IQ4_NL" and types["token_embd.weight"] == "Q6_K"
     assert types["blk.0.attn_norm.weight"] == "F32"
     f = {k: v for k, v in r.fields.items()}
     assert bytes(f["general.architecture"].parts[-1]).decode() == "llama"
     assert int(f["llama.attention.head_count_kv"].parts[-1][0]) == 2
     assert int(f["tokenizer.ggml.bos_token_id"].parts[-1][0]) == 1
     assert len(f["tokenizer.ggml.tokens"].data) == 256
+
+
+def test_q3_k_m_rules_by_layer():
+    """gguf-q3_k_m on a 3-layer model: V Q5_K in layers 0-1 and Q4_K in 2, down Q5_K in layer 0 only,
+    O Q4_K, gate / up / Q / K Q3_K (llama-quantize's Q3_K_M for 16 <= n_layer < 32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                         tie_word_embeddings=True))
+    r, emb = gguf_recipe("gguf-q3_k_m", model)
+    types = {n: s.ggml for n, (s, _) in r.resolve([n for n, _ in model.named_modules()]).items() if s is not None}
+    assert emb.ggml == "q6_k"
+    for i, (v, down) in enumerate((("q5_k", "q5_k"), ("q5_k", "q4_k"), ("q4_k", "q4_k"))):
+        p = f"model.layers.{i}."
+        assert (types[p + "self_attn.v_proj"], types[p + "mlp.down_proj"]) == (v, down), i
+        assert types[p + "self_attn.o_proj"] == "q4_k"
+        assert {types[p + m] for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj")} == {"q3_k"}
 
 
 def test_rows_without_whole_super_blocks_fall_back(tiny_llama):
@@ -75,6 +104,10 @@ def test_rows_without_whole_super_blocks_fall_back(tiny_llama):
     resolved = r.resolve(["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"])
     assert resolved["model.layers.0.self_attn.q_proj"][0].ggml == "q5_0"
     assert resolved["model.layers.0.mlp.down_proj"][0].ggml == "q5_0"   # 128 columns: not a whole 256 either
+    r, emb = gguf_recipe("gguf-q3_k_m", tiny_llama)                     # q3_k → q4_0, q5_k → q5_1, q4_k → q5_0
+    resolved = r.resolve(["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
+                          "model.layers.1.self_attn.v_proj", "model.layers.0.self_attn.o_proj"])
+    assert [resolved[n][0].ggml for n in resolved] == ["q4_0", "q5_1", "q5_1", "q5_0"] and emb.ggml == "q8_0"
 
 
 def test_refusals(tok_dir, tmp_path, tiny_llama):

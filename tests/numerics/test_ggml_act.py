@@ -67,6 +67,14 @@ def test_bad_inputs_are_named():
     assert vec_dot_type("Q4_K") == "q8_k" and VEC_DOT_TYPE["q5_1"] == "q8_1"
 
 
+def test_every_ggml_type_has_an_activation_type():
+    """ggml-cpu's type_traits: IQ4_NL multiplies against Q8_0 blocks, Q3_K against Q8_K."""
+    from lowbit.numerics.ggml import GGML_TYPES
+
+    assert set(GGML_TYPES) <= set(VEC_DOT_TYPE)
+    assert vec_dot_type("IQ4_NL") == "q8_0" and vec_dot_type("q3_k") == "q8_k"
+
+
 def test_engine_activations_hook_every_linear(tiny_llama):
     """Each Linear sees its input rounded for its own weight type; the tied head takes the
     embedding's type; the hooks are gone after the block; a Linear without a type is refused."""

@@ -107,10 +107,11 @@ def test_zero_stays_zero_and_zero_blocks_are_safe(name):
     x[:, ::3] = 0.0
     x[2] = 0.0  # an all-zero row: every block in it is all zero
     y = lb.fake_quantize(x, scheme)
-    # GGUF's types with a float min (Q4_1, Q5_1, the k-quants' quantized min) hold no exact zero inside a
-    # block that has other values, as in llama.cpp; their all-zero blocks still stay zero
-    kept = (x == 0) if not (scheme.ggml and scheme.ggml_type.has_min) else (x[2:3] == 0)
-    assert torch.all((y if not (scheme.ggml and scheme.ggml_type.has_min) else y[2:3])[kept] == 0)
+    # GGUF's types with a float min (Q4_1, Q5_1, the k-quants' quantized min) and IQ4_NL (its table has no 0)
+    # hold no exact zero inside a block that has other values, as in llama.cpp; their all-zero blocks stay zero
+    no_zero = scheme.ggml and (scheme.ggml_type.has_min or bool(scheme.ggml_type.grid))
+    kept = (x == 0) if not no_zero else (x[2:3] == 0)
+    assert torch.all((y if not no_zero else y[2:3])[kept] == 0)
     assert torch.isfinite(y).all()
     assert torch.equal(y, lb.dequantize(lb.quantize_tensor(x, scheme)))
     z = lb.fake_quantize(torch.zeros(4, 256), scheme)

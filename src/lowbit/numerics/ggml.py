@@ -18,8 +18,15 @@ q4_0 / q5_0   32     32    s = d (fp16, signed: the largest-magnitude  [-8, 7] /
 q4_1 / q5_1   32     32    s = d, o = −m (both fp16)                   [0, 15] / [0, 31]
 q4_k / q5_k   32    256    s = d·sc, o = dmin·mn; sc, mn 6-bit         [0, 15] / [0, 31]
                            unsigned, d, dmin fp16 per super-block
+q3_k          16    256    s = d·sc; sc 6-bit signed, d fp16           [-4, 3]
 q6_k          16    256    s = d·sc; sc int8 signed, d fp16            [-32, 31]
+iq4_nl        32     32    s = d (fp16)                                the 16 int8 entries
+                                                                       of ``IQ4_NL_VALUES``
 ==========  =====  ======  ==========================================  ===============
+
+iq4_nl's elements lie on a fixed non-uniform table (``kvalues_iq4nl`` in ggml), stored as
+4-bit indices; lowbit's ``v`` is the table entry itself (an int8 value, so its schemes have
+the ``int8`` element format), and rounding goes to the nearest entry (:func:`round_values`).
 
 ``s`` and ``o`` are fp32 products of stored numbers (exact: an fp16 times a ≤ 8-bit integer
 fits fp32's mantissa), and ``v·s − o`` is evaluated in fp32 in that order, as the ``gguf``
@@ -34,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GGMLType", "GGML_TYPES", "FALLBACK", "fallback", "get_type", "minmax_params", "block_params", "second_level", "element_values",
-           "dequantize_values", "subblock_view"]
+__all__ = ["GGMLType", "GGML_TYPES", "IQ4_NL_VALUES", "FALLBACK", "fallback", "get_type", "minmax_params",
+           "block_params", "second_level", "round_values", "grid_index", "element_values", "dequantize_values",
+           "subblock_view"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,9 @@ class GGMLType:
 
     ``type_id``: ggml's enum value; ``bits``: bits of ``v``; ``vmin``/``vmax``: the range of
     ``v``; ``has_min``: an offset per block; ``sub_bits``: width of the quantized sub-block
-    scales (0: the block scale itself is fp16); ``type_size``: bytes per super-block.
+    scales (0: the block scale itself is fp16; signed for the types without a min);
+    ``type_size``: bytes per super-block; ``grid``: the values ``v`` may take when they are
+    not the integers ``vmin … vmax`` (iq4_nl's table; ``bits`` is then the index width).
     """
 
     name: str
@@ -57,11 +67,20 @@ class GGMLType:
     has_min: bool
     sub_bits: int
     type_size: int
+    grid: tuple[int, ...] = ()
 
     @property
     def format_name(self) -> str:
-        """The element format of ``v`` in :data:`lowbit.numerics.formats.FORMATS`."""
-        return f"{'int' if self.vmin < 0 else 'uint'}{self.bits}"
+        """The element format of ``v`` in :data:`lowbit.numerics.formats.FORMATS` (a table
+        type's entries are int8 values)."""
+        return "int8" if self.grid else f"{'int' if self.vmin < 0 else 'uint'}{self.bits}"
+
+    @property
+    def sub_range(self) -> tuple[int, int]:
+        """The range of the integer sub-block scales (and mins): unsigned with a min, signed without."""
+        if self.has_min:
+            return 0, 2 ** self.sub_bits - 1
+        return -(2 ** (self.sub_bits - 1)), 2 ** (self.sub_bits - 1) - 1
 
     @property
     def two_level(self) -> bool:
@@ -72,15 +91,20 @@ class GGMLType:
         return self.type_size * 8 / self.super_block
 
 
+#: iq4_nl's element values (ggml's ``kvalues_iq4nl``), indexed by the stored 4-bit code
+IQ4_NL_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
 GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
     GGMLType("q4_0", 2, 4, 32, 32, -8, 7, False, 0, 18),
     GGMLType("q4_1", 3, 4, 32, 32, 0, 15, True, 0, 20),
     GGMLType("q5_0", 6, 5, 32, 32, -16, 15, False, 0, 22),
     GGMLType("q5_1", 7, 5, 32, 32, 0, 31, True, 0, 24),
     GGMLType("q8_0", 8, 8, 32, 32, -128, 127, False, 0, 34),
+    GGMLType("q3_k", 11, 3, 16, 256, -4, 3, False, 6, 110),
     GGMLType("q4_k", 12, 4, 32, 256, 0, 15, True, 6, 144),
     GGMLType("q5_k", 13, 5, 32, 256, 0, 31, True, 6, 176),
     GGMLType("q6_k", 14, 6, 16, 256, -32, 31, False, 8, 210),
+    GGMLType("iq4_nl", 20, 4, 32, 32, -127, 113, False, 0, 18, IQ4_NL_VALUES),
 )}
 
 
@@ -118,9 +142,10 @@ def minmax_params(m: torch.Tensor, t: GGMLType) -> tuple[torch.Tensor, ...]:
     The one-level types follow ggml's reference quantizers (``quantize_row_*_ref``): q8_0
     ``d = amax / 127``; q4_0/q5_0 ``d = max / −8`` (``−16``) with ``max`` the signed
     element of largest magnitude; q4_1/q5_1 ``d = (max − min) / 15`` (31), ``m = min``.
+    iq4_nl starts, as ggml's reference does, from ``d = max / −127`` (its table's lowest entry).
     The k-quants take each sub-block's min-max (q4_k/q5_k, the range widened to hold 0 as
-    ggml does) or signed extreme (q6_k: ``max / −32``) and quantize those against the
-    super-block (:func:`second_level`).
+    ggml does) or signed extreme (q3_k: ``max / −4``, q6_k: ``max / −32``) and quantize those
+    against the super-block (:func:`second_level`).
 
     Returns ``(scale, zero, super_scale, super_min)``: ``(rows, blocks)`` effective scales,
     offsets (``None`` without a min) and ``(rows, super-blocks)`` fp16 super-scales
@@ -156,8 +181,10 @@ def second_level(scale: torch.Tensor, mins: torch.Tensor | None, t: GGMLType,
     """Quantize float sub-block scales (and mins) of a k-quant against fp16 super-scales.
 
     q4_k/q5_k: ``d = fp16(max sc_f / 63)``, ``sc = round(sc_f / d)`` in [0, 63], likewise
-    ``dmin`` and the (non-negative) mins.  q6_k: ``d = fp16(m / −128)`` with ``m`` the
-    signed sub-scale of largest magnitude, ``sc = round(sc_f / d)`` in [−128, 127].
+    ``dmin`` and the (non-negative) mins.  q6_k / q3_k: ``d = fp16(m / lo)`` with ``m`` the
+    signed sub-scale of largest magnitude and ``[lo, hi]`` the signed sub-scale range
+    (``GGMLType.sub_range``: [−128, 127] for q6_k's 8 bits, [−32, 31] for q3_k's 6),
+    ``sc = round(sc_f / d)`` in that range.
     A super-scale of 0 gives sub-scales 0.  ``supers = (d, dmin)`` uses those super-scales
     instead of computing them.
 
@@ -172,8 +199,9 @@ def second_level(scale: torch.Tensor, mins: torch.Tensor | None, t: GGMLType,
         sc = _sub_codes(sf, d, 0, 63)
         mn = _sub_codes(mf, dmin, 0, 63)
         return (d[..., None] * sc).reshape(rows, nb), (dmin[..., None] * mn).reshape(rows, nb), d, dmin
-    d = supers[0] if supers is not None else _fp16(_signed_extreme(sf) / -128)
-    sc = _sub_codes(sf, d, -128, 127)
+    lo, hi = t.sub_range
+    d = supers[0] if supers is not None else _fp16(_signed_extreme(sf) / lo)
+    sc = _sub_codes(sf, d, lo, hi)
     return (d[..., None] * sc).reshape(rows, nb), None, d, None
 
 
@@ -189,15 +217,46 @@ def _expand(p: torch.Tensor, t: GGMLType) -> torch.Tensor:
     return p[..., None]  # (rows, blocks, 1) against (rows, blocks, block)
 
 
+def _grid_tables(t: GGMLType, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A table type's values and the midpoints between neighbours, in ``like``'s dtype and on its
+    device (exact: halves of small integers)."""
+    g = torch.tensor(t.grid, dtype=like.dtype, device=like.device)
+    return g, (g[1:] + g[:-1]) / 2
+
+
+def round_values(x: torch.Tensor, t: GGMLType) -> torch.Tensor:
+    """``x`` (already divided by the scale) rounded to the nearest element value of ``t``: for the
+    integer types ``clamp(round(x), vmin, vmax)`` (ties to even); for a table type (iq4_nl) the
+    nearest table entry, saturating at both ends, a tie going to the larger entry as ggml's
+    ``best_index_int8`` does; NaN stays NaN.  Of ``x``'s dtype and shape."""
+    if not t.grid:
+        return torch.round(x).clamp_(t.vmin, t.vmax)
+    g, mid = _grid_tables(t, x)
+    v = g[torch.bucketize(x.contiguous(), mid, right=True)]
+    return torch.where(torch.isnan(x), x, v)
+
+
+def grid_index(v: torch.Tensor, t: GGMLType) -> torch.Tensor:
+    """The stored 4-bit codes (int64) of a table type's element values ``v``; refuses a value that is
+    not a table entry."""
+    v = v.to(torch.float32)
+    g, mid = _grid_tables(t, v)
+    idx = torch.bucketize(v, mid, right=True)
+    if not torch.equal(g[idx], v):
+        raise ValueError(f"{t.name}: element values that are not entries of its table {t.grid}")
+    return idx
+
+
 def element_values(m: torch.Tensor, t: GGMLType, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """``v = clamp(round((x + o) / s), vmin, vmax)`` for ``m`` ``(rows, cols)``: the nearest
-    point of the block's stored grid (ties to even); a block with ``s = 0`` gets ``v = 0``.
-    Returns fp32 ``(rows, cols)``."""
+    """``v = clamp(round((x + o) / s), vmin, vmax)`` for ``m`` ``(rows, cols)`` (for iq4_nl the
+    nearest table entry to ``x / s``, :func:`round_values`): the nearest point of the block's
+    stored grid (ties to even); a block with ``s = 0`` gets ``v = 0`` (iq4_nl: the entry nearest
+    0, which dequantizes to 0 as well).  Returns fp32 ``(rows, cols)``."""
     b = subblock_view(m.to(torch.float32), t)
     s = _expand(scale, t)
     safe = torch.where(s != 0, s, torch.full_like(s, float("inf")))
     x = b if zero is None else b + _expand(zero, t)
-    v = torch.round(x / safe).clamp_(t.vmin, t.vmax)
+    v = round_values(x / safe, t)
     if t.has_min:  # v = 0 is the lowest level; a zero scale sends the block to it
         v = torch.where(s != 0, v, torch.zeros_like(v))
     return v.reshape(m.shape)
@@ -213,8 +272,9 @@ def dequantize_values(v: torch.Tensor, t: GGMLType, scale: torch.Tensor, zero: t
 
 
 #: what llama.cpp's ``llama-quantize`` writes instead of a k-quant when a row is not a whole
-#: number of 256-element super-blocks (``llama_tensor_get_type``)
-FALLBACK: dict[str, str] = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+#: number of 256-element super-blocks (``tensor_type_fallback`` in the llama.cpp lowbit builds,
+#: 11434; older releases wrote iq4_nl for q3_k)
+FALLBACK: dict[str, str] = {"q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 def fallback(t: GGMLType, cols: int) -> GGMLType:

@@ -8,7 +8,7 @@ then run on integers, block by block.  So a GGUF file served by llama.cpp on a C
 ============================  ===============  =============================================
 weight type                   activation type  what one block of the activation row becomes
 ============================  ===============  =============================================
-q4_0, q5_0, q8_0              q8_0             32 elements; ``d = amax/127`` stored as fp16;
+q4_0, q5_0, q8_0, iq4_nl      q8_0             32 elements; ``d = amax/127`` stored as fp16;
 q4_1, q5_1                    q8_1             ``q = rint(x · 127/amax)``; value ``q · fp16(d)``
                                                (q8_1 adds ``d·Σq`` for the weight's min: the
                                                same values)
@@ -36,7 +36,7 @@ __all__ = ["VEC_DOT_TYPE", "vec_dot_type", "round_activations"]
 #: weight type → the type ggml's CPU backend converts the activations to
 VEC_DOT_TYPE: dict[str, str] = {
     "f32": "f32", "f16": "f16", "bf16": "bf16",
-    "q4_0": "q8_0", "q5_0": "q8_0", "q8_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1",
+    "q4_0": "q8_0", "q5_0": "q8_0", "q8_0": "q8_0", "iq4_nl": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1",
     "q2_k": "q8_k", "q3_k": "q8_k", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k",
 }
 _BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256}

@@ -14,9 +14,15 @@ row of the matrix after another, each super-block ``t.type_size`` bytes, little-
   holds ``q[64·j + i]`` (low nibble) and ``q[64·j + 32 + i]`` (high).
 * q5_k: as q4_k with 32 bytes before the nibbles: bit ``k`` of byte ``i`` is bit 4 of
   ``q[32·k + i]``.
+* q3_k: 32 bytes ``hmask`` (bit ``k`` of byte ``i``: bit 2 of ``q[32·k + i]``), 64 bytes of
+  2-bit pairs (per half of 128: byte ``32·h + p``, bits ``2·s``, hold the low bits of
+  ``q[128·h + 32·s + p]``), 12 bytes of 6-bit scales ``sc + 32`` (bytes 0–7: ``sc[j]`` in the low
+  nibble, ``sc[j + 8]`` in the high; bytes 8–11: bits 4–5 of ``sc[j]`` at bits ``2·(j // 4)``
+  of byte ``8 + j % 4``), ``d`` fp16; ``q = v + 4``.
 * q6_k: 128 bytes of low nibbles (per half of 128: byte ``64·h + p`` holds ``q[128·h + p]``
   and ``q[128·h + 64 + p]``), 64 bytes of high 2-bit pairs (byte ``32·h + p``, bits ``2·s``,
   of ``q[128·h + 32·s + p]``), 16 × int8 scales, ``d`` fp16; ``q = v + 32``.
+* iq4_nl: ``d`` fp16, 16 bytes as q4_0's, ``q`` the index of ``v`` in the table.
 
 The tests read the bytes back with the ``gguf`` package's dequantizers.
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .ggml import GGMLType, subblock_view
+from .ggml import GGMLType, grid_index, subblock_view
 
 __all__ = ["pack", "subscale_codes"]
 
@@ -47,7 +53,7 @@ def subscale_codes(scale: torch.Tensor, super_scale: torch.Tensor, t: GGMLType) 
     d = super_scale[..., None].to(torch.float32)
     s = scale.to(torch.float32).reshape(rows, nb // per, per)
     q = torch.where(d != 0, s / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(s))
-    lo, hi = (0, 63) if t.sub_bits == 6 else (-128, 127)
+    lo, hi = t.sub_range
     r = torch.round(q)
     if not torch.equal(r * d, s) or r.min() < lo or r.max() > hi:
         raise ValueError(f"{t.name}: the sub-block scales are not whole multiples in [{lo}, {hi}] of the super-scale; "
@@ -75,7 +81,7 @@ def pack(v: torch.Tensor, t: GGMLType, scale: torch.Tensor, zero: torch.Tensor |
     n_super = cols // t.super_block
     if t.two_level and super_scale is None:
         raise ValueError(f"{t.name} is a two-level type: pass super_scale (and super_min)")
-    q = (vi - t.vmin if t.vmin < 0 and t.name != "q8_0" else vi)
+    q = grid_index(vi, t) if t.grid else (vi - t.vmin if t.vmin < 0 and t.name != "q8_0" else vi)
     nb = cols // t.block
     if not t.two_level:
         parts = [_f16_bytes(scale.reshape(rows, nb))]
@@ -92,7 +98,14 @@ def pack(v: torch.Tensor, t: GGMLType, scale: torch.Tensor, zero: torch.Tensor |
         out = torch.cat([p.to(torch.int64) for p in parts], dim=-1)
         return out.to(torch.uint8).reshape(rows, nb * t.type_size)
     qs = q.reshape(rows * n_super, t.super_block)
-    if t.name == "q6_k":
+    if t.name == "q3_k":
+        sc = subscale_codes(scale, super_scale, t).reshape(rows * n_super, 16) + 32
+        hm = ((qs.reshape(-1, 8, 32) >> 2) & 1) << torch.arange(8)[:, None]
+        lo2 = (qs.reshape(-1, 2, 4, 32) & 3) << (2 * torch.arange(4))[:, None]
+        packed_sc = torch.cat([(sc[:, :8] & 0x0F) | ((sc[:, 8:] & 0x0F) << 4),
+                               ((sc.reshape(-1, 4, 4) >> 4) << (2 * torch.arange(4))[:, None]).sum(1)], dim=-1)
+        parts = [hm.sum(1), lo2.sum(2).reshape(-1, 64), packed_sc, _f16_bytes(super_scale.reshape(-1)).to(torch.int64)]
+    elif t.name == "q6_k":
         sc = subscale_codes(scale, super_scale, t).reshape(rows * n_super, 16)
         h = qs.reshape(-1, 2, 128)
         ql = _nibbles(h[..., :64], h[..., 64:]).reshape(-1, 128)

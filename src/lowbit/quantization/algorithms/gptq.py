@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...numerics import ggml as G
 from ...numerics.qtensor import QParams, QTensor, _check_finite, _effective_scale, compute_qparams
 from ...numerics.scheme import Scheme
 from ...util.parallel import torch_threads
@@ -167,7 +168,7 @@ def gptq(
                     col_scale[g] = _per_row(qps[o], br, rows, g % per, t is not None)
                 s, safe, z = col_scale[g]
                 w_col = W1[i]                                        # (out,)
-                q, w_hat = _round_column(w_col, s, safe, z, fmt, t is not None)
+                q, w_hat = _round_column(w_col, s, safe, z, fmt, t)
                 Qt[i1 + i] = q
                 if Pt is not None:
                     Pt[i1 + i] = w_col
@@ -263,14 +264,15 @@ def _per_row(qp: QParams, br: int, rows: int, k: int = 0,
 
 
 def _round_column(
-    w: torch.Tensor, s: torch.Tensor, safe: torch.Tensor, z: torch.Tensor | None, fmt, ggml: bool = False
+    w: torch.Tensor, s: torch.Tensor, safe: torch.Tensor, z: torch.Tensor | None, fmt, ggml: G.GGMLType | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Element values ``q`` and dequantized ``(q − z)·s`` of one column, with exactly the
     arithmetic of :func:`lowbit.numerics.qtensor.fake_quantize` (so that ``H = I`` gives RTN bit
     for bit).  A zero scale (``safe = inf``) sends the column to zero.  GGUF types
-    (``ggml``): ``q = round((w + z) / s)``, ``q·s − z`` (:mod:`lowbit.numerics.ggml`)."""
-    if ggml:
-        q = fmt.round((w if z is None else w + z) / safe)
+    (``ggml``, the type): ``q`` the element value nearest ``(w + z) / s`` on the type's grid
+    (iq4_nl: its table, :func:`lowbit.numerics.ggml.round_values`), ``q·s − z``."""
+    if ggml is not None:
+        q = G.round_values((w if z is None else w + z) / safe, ggml)
         return q, (q * s if z is None else q * s - z)
     x = w / safe
     if z is not None:
