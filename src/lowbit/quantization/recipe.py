@@ -380,16 +380,17 @@ _Q3KM_Q5K = ["*.layers.0.self_attn.v_proj", "*.layers.1.self_attn.v_proj", "*.la
 RECIPES.update({r.name: r for r in (
     _gguf("gguf-q8_0", "GGUF Q8_0 (round to nearest)", "gguf-q8_0"),
     *(r for t in ("q4_0", "q4_k", "q3_k") for r in (
-        _gguf(f"gguf-{t}", f"GGUF {t.upper()} (round to nearest, min-max)", f"gguf-{t}"),
+        _gguf(f"gguf-{t}", f"GGUF {t.upper()} (round to nearest; k-quants: llama-quantize's scale search)", f"gguf-{t}"),
         _gguf(f"gguf-{t}-mse", f"GGUF {t.upper()}, activation-weighted MSE search (imatrix-style)", f"gguf-{t}",
               algorithms=_MSE),
         _gguf(f"gguf-{t}-gptq", f"GGUF {t.upper()}, GPTQ on the type's exact grid, weighted-MSE scales", f"gguf-{t}",
               algorithms=_GPTQ_MSE))),
     _gguf("gguf-q4_k_m", "GGUF Q4_K_M-style mix: Q4_K, V and down projections Q6_K", "gguf-q4_k", _V_DOWN_Q6K),
-    _gguf("gguf-q3_k_m", "GGUF Q3_K_M mix (llama-quantize's, dense non-Falcon model): Q3_K; V Q5_K in layers 0-1, "
-          "else Q4_K; O Q4_K; down Q5_K in layer 0 (llama.cpp: layers < n_layer/16, so only for 16 <= n_layer < 32), "
-          "else Q4_K; tied embedding / output Q6_K", "gguf-q3_k",
-          [{"targets": [f"*.{m}" for m in _Q3KM_Q4K], "weights": "gguf-q4_k"}, {"targets": _Q3KM_Q5K, "weights": "gguf-q5_k"}]),
+    *(_gguf(f"gguf-q3_k_m{sfx}", "GGUF Q3_K_M mix (llama-quantize's, dense non-Falcon model): Q3_K; V Q5_K in layers "
+            "0-1, else Q4_K; O Q4_K; down Q5_K in layer 0 (llama.cpp: layers < n_layer/16, so only for 16 <= n_layer < 32), "
+            f"else Q4_K; tied embedding / output Q6_K{desc}", "gguf-q3_k",
+            [{"targets": [f"*.{m}" for m in _Q3KM_Q4K], "weights": "gguf-q4_k"}, {"targets": _Q3KM_Q5K, "weights": "gguf-q5_k"}],
+            algorithms=algo) for sfx, desc, algo in (("", "", None), ("-gptq", "; GPTQ, weighted-MSE scales", _GPTQ_MSE))),
 )})
 
 #: the deployment notebook's experiment, the default of ``lowbit compare``
