@@ -18,6 +18,7 @@ class _Stop(Exception):
     ["compare", "smollm2-135m", "--recipes", "w4a16-gptq-g128"],
     ["eval", "smollm2-135m", "--recipe", "w4a16-gptq-g128"],
     ["plan", "smollm2-135m", "--gpu", "h100", "--recipes", "w4a16-int4-g128"],
+    ["search", "smollm2-135m", "--budget-bits", "4.5", "--candidates", "nvfp4"],
 ])
 def test_the_flags_reach_workbench_load(monkeypatch, argv):
     seen = {}
