@@ -73,6 +73,26 @@ def _tiny_folder(root, arch: str):
     return d
 
 
+def _write_and_verify(tmp_path, arch: str, recipe: str):
+    """The tiny ``arch`` model quantized with ``recipe``, written as a GGUF file (read back bit for bit),
+    run by llama.cpp beside lowbit's prediction; returns ``(per-tensor types, verify result)``."""
+    from lowbit.checkpoint.gguf import tensor_types, write_gguf
+    from lowbit.models.loading import load_model
+    from lowbit.workflows.gguf import load_checked, quantize_for_gguf
+
+    d = _tiny_folder(tmp_path, arch)
+    model, _, _ = load_model(str(d))
+    qts, _ = quantize_for_gguf(model, recipe)
+    f = write_gguf(model, qts, tmp_path / f"{recipe}.gguf", tokenizer_dir=d, name=d.name, add_bos=False)
+    load_checked(model, f)
+    try:
+        res = L.verify_gguf([f], reference=str(d), ctx=128, chunks=4)
+    finally:
+        shutil.rmtree(cache_dir() / "verify" / "llama.cpp" / d.name, ignore_errors=True)
+    print(f"tiny {arch} {recipe}:", json.dumps(res.to_dict()))  # the figures, for the log (pytest -s)
+    return set(tensor_types(f, model.config).values()), res
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_tiny_qwen_f32_matches_transformers_in_llama_cpp(tmp_path, arch):
     """The Qwen2 / Qwen3 writer's conventions (NEOX rows unpermuted, Qwen2's q/k/v biases, Qwen3's
@@ -82,20 +102,7 @@ def test_tiny_qwen_f32_matches_transformers_in_llama_cpp(tmp_path, arch):
     0.86% with min-max k-quant rounding, 1.17% with the least-squares search — the 8-bit activation
     rounding's noise on 252 tokens of a random model) and its log-probabilities token by token to
     KL < 5e-3 (measured 2.7e-3 and 2.6e-3 on Qwen2)."""
-    from lowbit.checkpoint.gguf import write_gguf
-    from lowbit.models.loading import load_model
-    from lowbit.workflows.gguf import load_checked, quantize_for_gguf
-
-    d = _tiny_folder(tmp_path, arch)
-    model, _, _ = load_model(str(d))
-    qts, _ = quantize_for_gguf(model, "gguf-q8_0")
-    f = write_gguf(model, qts, tmp_path / "q8.gguf", tokenizer_dir=d, name=d.name, add_bos=False)
-    load_checked(model, f)
-    try:
-        res = L.verify_gguf([f], reference=str(d), ctx=128, chunks=4)
-    finally:
-        shutil.rmtree(cache_dir() / "verify" / "llama.cpp" / d.name, ignore_errors=True)
-    print(f"tiny {arch}:", json.dumps(res.to_dict()))  # the figures, for the log (pytest -s)
+    _, res = _write_and_verify(tmp_path, arch, "gguf-q8_0")
     n = res.noise
     assert n["kl_engine_f32_vs_lowbit"] < 1e-3 and n["same_top_engine_f32_vs_lowbit"] > 0.98
     assert n["engine_ppl"] > 50  # a random model: far from a trained one, far from uniform (49152)
@@ -111,21 +118,8 @@ def test_q3_k_files_in_llama_cpp(tmp_path, recipe, types):
     tiny Qwen3 (256-wide rows are whole super-blocks; o_proj's 384 fall back to Q4_0, as llama-quantize
     does), llama.cpp's KLD equals lowbit's prediction of the file within 1% and its perplexity within 2%
     (measured: Q3_K KLD 0.91737 vs 0.91733, PPL 0.12% apart; Q3_K_M 0.60178 vs 0.60201, 0.57%)."""
-    from lowbit.checkpoint.gguf import tensor_types, write_gguf
-    from lowbit.models.loading import load_model
-    from lowbit.workflows.gguf import load_checked, quantize_for_gguf
-
-    d = _tiny_folder(tmp_path, "qwen3")
-    model, _, _ = load_model(str(d))
-    qts, _ = quantize_for_gguf(model, recipe)
-    f = write_gguf(model, qts, tmp_path / f"{recipe}.gguf", tokenizer_dir=d, name=d.name, add_bos=False)
-    load_checked(model, f)
-    assert set(tensor_types(f, model.config).values()) - {"f32"} == types
-    try:
-        res = L.verify_gguf([f], reference=str(d), ctx=128, chunks=4)
-    finally:
-        shutil.rmtree(cache_dir() / "verify" / "llama.cpp" / d.name, ignore_errors=True)
-    print(f"tiny qwen3 {recipe}:", json.dumps(res.to_dict()))
+    written, res = _write_and_verify(tmp_path, "qwen3", recipe)
+    assert written - {"f32"} == types
     (c,) = res.checks
     assert c.engine["kld"] == pytest.approx(c.lowbit["kl"], rel=0.01)
     assert abs(c.delta_ppl) / c.lowbit["ppl"] < 0.02, c.delta_ppl
