@@ -42,7 +42,7 @@ def _cell(e: dict, intervals: bool) -> str:
 
 def table(paths: list[Path], intervals: bool = False) -> str:
     """The measured cells of ``--json`` files (runs of one protocol) as one markdown table: a row
-    per (recipe, calibration corpus), a column per evaluation corpus, each cell ``PPL Δ% / KL``
+    per (recipe, calibration corpus; in the order of the evaluation corpora, mixtures last), a column per evaluation corpus, each cell ``PPL Δ% / KL``
     (``intervals``: with their 95% bootstrap intervals, and top-1 agreement)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     d = runs[0]
@@ -56,7 +56,9 @@ def table(paths: list[Path], intervals: bool = False) -> str:
         rows.setdefault((c["recipe"], c["calib"]), {})[c["eval"]] = c["eval_result"]
     head = ["recipe", "calibrated on", *(f"eval {e} (ref PPL {d['reference'][e]['ppl']:.2f})" for e in evals)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (recipe, calib), cells in rows.items():
+    recipes = list(dict.fromkeys(r for r, _ in rows))  # first appearance; within one, RTN, then the eval order
+    rank = lambda c: (c != "none", evals.index(c) if c in evals else len(evals), c)  # noqa: E731
+    for (recipe, calib), cells in sorted(rows.items(), key=lambda kv: (recipes.index(kv[0][0]), rank(kv[0][1]))):
         vals = [_cell(cells[e], intervals) if e in cells else "—" for e in evals]
         lines.append(f"| {recipe} | {'— (RTN)' if calib == 'none' else calib} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
