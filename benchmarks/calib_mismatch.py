@@ -40,10 +40,10 @@ def _cell(e: dict, intervals: bool) -> str:
     return f"{e['delta_pct']:+.1f}% [{dl:+.1f}, {dh:+.1f}] / {e['kl_mean']:.4f} [{kl:.4f}, {kh:.4f}] / {e['top1']:.3f}"
 
 
-def table(paths: list[Path], intervals: bool = False) -> str:
-    """The measured cells of ``--json`` files (runs of one protocol) as one markdown table: a row
-    per (recipe, calibration corpus; in the order of the evaluation corpora, mixtures last), a column per evaluation corpus, each cell ``PPL Δ% / KL``
-    (``intervals``: with their 95% bootstrap intervals, and top-1 agreement)."""
+def _merge(paths: list[Path]) -> tuple[dict, list[str], dict[tuple[str, str], dict[str, dict]]]:
+    """Runs of one protocol (refused otherwise): the first run's header, the evaluation corpora, and
+    every cell as ``rows[(recipe, calibration corpus)][eval corpus]``, rows in calibration order
+    (per recipe in order of first appearance: RTN, then the evaluation corpora's order, mixtures last)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     d = runs[0]
     for r in runs[1:]:
@@ -54,13 +54,45 @@ def table(paths: list[Path], intervals: bool = False) -> str:
     rows: dict[tuple[str, str], dict[str, dict]] = {}
     for c in (c for r in runs for c in r["cells"]):
         rows.setdefault((c["recipe"], c["calib"]), {})[c["eval"]] = c["eval_result"]
+    recipes = list(dict.fromkeys(r for r, _ in rows))
+    rank = lambda c: (c != "none", evals.index(c) if c in evals else len(evals), c)  # noqa: E731
+    return d, evals, dict(sorted(rows.items(), key=lambda kv: (recipes.index(kv[0][0]), rank(kv[0][1]))))
+
+
+def table(paths: list[Path], intervals: bool = False) -> str:
+    """The measured cells of ``--json`` files (runs of one protocol) as one markdown table: a row
+    per (recipe, calibration corpus), a column per evaluation corpus, each cell ``PPL Δ% / KL``
+    (``intervals``: with their 95% bootstrap intervals, and top-1 agreement)."""
+    d, evals, rows = _merge(paths)
     head = ["recipe", "calibrated on", *(f"eval {e} (ref PPL {d['reference'][e]['ppl']:.2f})" for e in evals)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    recipes = list(dict.fromkeys(r for r, _ in rows))  # first appearance; within one, RTN, then the eval order
-    rank = lambda c: (c != "none", evals.index(c) if c in evals else len(evals), c)  # noqa: E731
-    for (recipe, calib), cells in sorted(rows.items(), key=lambda kv: (recipes.index(kv[0][0]), rank(kv[0][1]))):
+    for (recipe, calib), cells in rows.items():
         vals = [_cell(cells[e], intervals) if e in cells else "—" for e in evals]
         lines.append(f"| {recipe} | {'— (RTN)' if calib == 'none' else calib} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def shares(paths: list[Path], pairs: dict[str, str]) -> str:
+    """Per calibrated recipe (``pairs``: recipe → its RTN baseline) and evaluation corpus, the share of
+    the baseline's KL each calibration corpus removes, ``1 − KL / KL_RTN``, and (in parentheses) the KL
+    relative to the calibration on the evaluation corpus itself, which is in bold."""
+    _, evals, rows = _merge(paths)
+    calibs = list(dict.fromkeys(c for r, c in rows if r in pairs))
+    lines = ["| method | eval | " + " | ".join(calibs) + " |", "|" + "---|" * (len(calibs) + 2)]
+    for recipe, base in pairs.items():
+        for i, e in enumerate(evals):
+            rtn = rows.get((base, "none"), {}).get(e)
+            own = rows.get((recipe, e), {}).get(e)
+            vals = []
+            for c in calibs:
+                cell = rows.get((recipe, c), {}).get(e)
+                if cell is None or rtn is None:
+                    vals.append("—")
+                    continue
+                share = f"{1 - cell['kl_mean'] / rtn['kl_mean']:.0%}"
+                vals.append(f"**{share}**" if c == e else
+                            f"{share} ({cell['kl_mean'] / own['kl_mean']:.2f}×)" if own else share)
+            lines.append(f"| {recipe if i == 0 else ''} | {e} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 
@@ -69,6 +101,8 @@ def main() -> None:
     p.add_argument("--table", metavar="JSON", type=Path, nargs="+",
                    help="print the markdown table of finished --json files (one protocol) and exit")
     p.add_argument("--intervals", action="store_true", help="with --table: 95%% intervals and top-1 too")
+    p.add_argument("--shares", metavar="RECIPE=RTN,...",
+                   help="with --table: instead, the share of each RTN baseline's KL each calibration removes")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", help="calibrated recipes, comma-separated")
     p.add_argument("--baselines", default="", help="one recipe without calibration data (RTN) per method, in order")
@@ -82,7 +116,8 @@ def main() -> None:
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
     if args.table:
-        print(table(args.table, args.intervals))
+        print(shares(args.table, dict(x.split("=") for x in args.shares.split(","))) if args.shares
+              else table(args.table, args.intervals))
         return
     if not args.methods or not args.json:
         p.error("--methods and --json are needed to measure")

@@ -38,3 +38,13 @@ def test_runs_of_different_protocols_are_refused(tmp_path):
     b = _run(tmp_path / "b.json", [("gptq", "code", "wiki", 0.2)], windows=64)
     with pytest.raises(SystemExit, match="different protocols"):
         calib_mismatch.table([a, b])
+
+
+def test_shares_of_the_rtn_kl_removed(tmp_path):
+    a = _run(tmp_path / "a.json", [("rtn", "none", "wiki", 0.5), ("rtn", "none", "code", 0.4),
+                                  ("gptq", "wiki", "wiki", 0.1), ("gptq", "wiki", "code", 0.3),
+                                  ("gptq", "code", "wiki", 0.25), ("gptq", "code", "code", 0.1)])
+    rows = calib_mismatch.shares([a], {"gptq": "rtn"}).splitlines()
+    assert rows[0] == "| method | eval | wiki | code |"
+    assert rows[2] == "| gptq | wiki | **80%** | 50% (2.50×) |"  # 1 − 0.25/0.5; 0.25 / matched 0.1
+    assert rows[3] == "|  | code | 25% (3.00×) | **75%** |"
