@@ -115,9 +115,13 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
+    if args.shares and not args.table:
+        p.error("--shares needs --table")
     if args.table:
-        print(shares(args.table, dict(x.split("=") for x in args.shares.split(","))) if args.shares
-              else table(args.table, args.intervals))
+        pairs = [x.split("=") for x in args.shares.split(",")] if args.shares else []
+        if any(len(x) != 2 or not all(x) for x in pairs):
+            p.error(f"--shares: expected RECIPE=RTN_BASELINE entries, comma-separated, got {args.shares!r}")
+        print(shares(args.table, dict(pairs)) if pairs else table(args.table, args.intervals))
         return
     if not args.methods or not args.json:
         p.error("--methods and --json are needed to measure")
