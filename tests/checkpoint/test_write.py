@@ -33,6 +33,8 @@ MIXED = {
               {"targets": ["*.self_attn.*"], "weights": "fp8-channel", "inputs": "fp8-token"}],
     "kv_cache": {"scheme": "fp8-tensor"},
 }
+#: signed scales (negative where a group's extreme is positive) in the plain symmetric INT4 layout
+SIGNED = {"name": "w4a16-int4-g64-signed", "weights": "int4-g64-signed"}
 
 
 from tinymodels import wide_llama as _wide_llama  # noqa: E402
@@ -49,10 +51,11 @@ def _quantized(recipe):
 
 
 def _recipe(name):
-    return recipe_from_dict(MIXED) if name == "mixed" else RECIPES[name]
+    return recipe_from_dict(MIXED) if name == "mixed" else recipe_from_dict(SIGNED) if name == SIGNED["name"] \
+        else RECIPES[name]
 
 
-@pytest.fixture(scope="module", params=RECIPE_NAMES + ["mixed"])
+@pytest.fixture(scope="module", params=RECIPE_NAMES + ["mixed", SIGNED["name"]])
 def exported(request, tmp_path_factory):
     recipe = _recipe(request.param)
     model, state = _quantized(recipe)
@@ -103,6 +106,8 @@ def test_decompressor_reads_lowbit_bit_for_bit(exported):
         w = compressor.decompress(local, scheme)["weight"]
         assert w.shape == qt.shape
         assert torch.equal(w, dequantize(qt, w.dtype)), name
+        if recipe.name == SIGNED["name"]:      # the case it is there for: negative scales are written
+            assert (local["weight_scale"] < 0).any() and (local["weight_scale"] > 0).any(), name
 
 
 def test_kv_scales_and_input_scales(exported):

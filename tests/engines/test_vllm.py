@@ -1,7 +1,7 @@
 """The real engine in the loop (marker ``vllm``; CI runs it, ``make test-fast`` skips it).
 
 Creates the vLLM environment with ``make vllm`` when it is missing (cached afterwards),
-exports W8A8 INT8 dynamic and W4A16 INT4 g64 from SmolLM2 with a few calibration windows,
+exports W8A8 INT8 dynamic and W4A16 INT4 g64 (with positive and with signed scales) from SmolLM2 with a few calibration windows,
 verifies both on a few windows and asserts the issue's targets; and a mix chosen by
 ``lowbit search`` (issue 17: several config groups plus modules left in 16 bits, one checkpoint).
 
@@ -16,7 +16,8 @@ from lowbit.engines.verify import TARGET_KL_FRACTION, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-RECIPES = ("w8a8-int8", "w4a16-int4-g64")
+#: the signed-scale folder stores negative INT4 group scales (each group's extreme on −8): vLLM must read them as is
+RECIPES = ("w8a8-int8", "w4a16-int4-g64", "w4a16-int4-g64-signed")
 WINDOWS = 4
 
 
@@ -49,11 +50,16 @@ def _assert_agrees(res, recipes):
     model would fail) and lowbit's prediction within the issue-14 targets of vLLM's numbers."""
     assert not res.refused, res.refused
     assert [c.recipe for c in res.checks] == list(recipes)
+    failed = []                                          # every folder's verdict, not only the first miss
     for c in res.checks:
         p = c.pair
-        assert p.kl_reference > 5 * res.noise.kl, (c.recipe, p.kl_reference, res.noise.kl)
-        assert c.ppl_ok, (c.recipe, p.engine_ppl, p.lowbit_ppl, c.ppl_target)
-        assert p.kl <= TARGET_KL_FRACTION * p.kl_reference, (c.recipe, p.kl, p.kl_reference)
+        if not p.kl_reference > 5 * res.noise.kl:
+            failed.append((c.recipe, "quantization not visible", p.kl_reference, res.noise.kl))
+        if not c.ppl_ok:
+            failed.append((c.recipe, "perplexity", p.engine_ppl, p.lowbit_ppl, c.ppl_target))
+        if not p.kl <= TARGET_KL_FRACTION * p.kl_reference:
+            failed.append((c.recipe, "KL", p.kl, p.kl_reference))
+    assert not failed, failed
 
 
 def test_vllm_serves_a_searched_mix(vllm_python, tmp_path):

@@ -249,6 +249,67 @@ def test_full_range_int_scale_matches_compressed_tensors():
         lb.Scheme(F.FP8_E4M3, lb.CHANNEL, full_range=True)
 
 
+def test_signed_scale_puts_each_blocks_extreme_on_the_lowest_level():
+    """signed_scale: scale = extreme / qmin, so the largest-magnitude element is exact, every level
+    is used, and the scale is negative where the extreme is positive; only elements of the other
+    sign beyond qmax + ½ steps saturate (at most one step away)."""
+    signed = lb.Scheme(F.INT4, lb.CHANNEL, signed_scale=True)
+    qt = lb.quantize_tensor(W8, signed)
+    assert qt.scale.item() == pytest.approx(-0.9 / 8)                  # the extreme 0.90 is positive
+    assert qt.values().tolist() == [[-1, 4, -3, -8, 0, 0, -4, 2]]
+    assert lb.dequantize(qt)[0, 3].item() == pytest.approx(0.9)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 128, generator=g)
+    w[0, :64] = -w[0, :64].abs()                                       # a group whose extreme is negative
+    for bits, fmt in ((4, F.INT4), (2, F.INT2)):
+        s = lb.Scheme(fmt, lb.group(64), signed_scale=True)
+        qt = lb.quantize_tensor(w, s)
+        scale = qt.scale                                               # (32, 2)
+        ext = w.reshape(32, 2, 64).gather(2, w.reshape(32, 2, 64).abs().argmax(2, keepdim=True))[..., 0]
+        assert torch.equal(torch.sign(scale), -torch.sign(ext)) and scale[0, 0] > 0
+        assert torch.allclose(scale, ext / fmt.min)
+        err = (lb.dequantize(qt) - w).abs().reshape(32, 2, 64)
+        y = w.reshape(32, 2, 64) / scale[..., None]
+        assert (y >= fmt.min - 1e-5).all()
+        inside = y <= fmt.max + 0.5
+        step = scale.abs()[..., None].expand_as(err)
+        assert (err[inside] <= step[inside] / 2 * (1 + 1e-5)).all()
+        assert (err[~inside] <= step[~inside] * (1 + 1e-5)).all()
+        full = lb.Scheme(fmt, lb.group(64), full_range=True)
+        assert ((lb.dequantize(qt) - w) ** 2).mean() < ((lb.fake_quantize(w, full) - w) ** 2).mean()
+    assert torch.equal(lb.quantize_tensor(torch.zeros(2, 64), lb.Scheme(F.INT4, lb.group(64), signed_scale=True)).scale,
+                       torch.zeros(2, 1))
+
+
+def test_signed_scale_is_llama_cpp_q4_0s_rule():
+    """INT4, groups of 32, fp16 scales, signed: the scales of the gguf package's own Q4_0 quantizer
+    (d = max / −8) exactly, and the same codes except at exact half steps (it rounds half up)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, quants
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    s = lb.Scheme(F.INT4, lb.group(32), scale_dtype="fp16", signed_scale=True)
+    ref = quants.quantize(w.numpy(), Q.Q4_0).reshape(-1, 18)
+    d_ref = ref[:, :2].copy().view(np.float16).astype(np.float32).reshape(64, 8)
+    qt = lb.quantize_tensor(w, s)
+    assert np.array_equal(qt.scale.numpy(), d_ref)
+    same = np.isclose(lb.dequantize(qt).numpy(), quants.dequantize(ref.reshape(64, -1), Q.Q4_0), rtol=0, atol=1e-9)
+    assert same.mean() > 0.999
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(format=F.FP8_E4M3), "signed_scale applies to symmetric integer"),
+    (dict(format=F.UINT4, symmetric=False), "signed_scale applies to symmetric integer"),
+    (dict(full_range=True), "exclude each other"),
+    (dict(dynamic=True), "signed_scale is for weights"),
+])
+def test_signed_scale_refuses_what_it_cannot_mean(kw, msg):
+    args = dict(format=F.INT4, granularity=lb.group(64), signed_scale=True) | kw
+    with pytest.raises(ValueError, match=msg):
+        lb.Scheme(**args)
+
+
 @pytest.mark.parametrize("bits,preset", [(4, "mxfp4"), (8, "mxfp8")])
 def test_mx_nearest_scales_equal_compressed_tensors(bits, preset):
     mx = pytest.importorskip("compressed_tensors.quantization.utils.mxfp_utils")

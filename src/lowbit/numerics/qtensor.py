@@ -101,7 +101,7 @@ def compute_qparams(x: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor 
     lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))  # NaN propagates into these
     if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         _check_finite(x, "quantize")
-    if scheme.symmetric:
+    if scheme.symmetric and not scheme.signed_scale:   # signed scales need the extreme's side
         hi = torch.maximum(-lo, hi)
         lo = -hi
     if scheme.global_scale and global_scale is None:
@@ -126,8 +126,9 @@ def _quantize_blocks(
     b = blocked(m, scheme.granularity)
     s = _effective_scale(qp)[:, None, :, None]
     # a zero scale means an all-zero (or underflowed) block: dividing by inf sends every
-    # element of it to zero (to the zero point, for asymmetric schemes)
-    safe = torch.where(s > 0, s, torch.full_like(s, float("inf")))
+    # element of it to zero (to the zero point, for asymmetric schemes); scales are negative
+    # only where the scheme asks for it (signed_scale)
+    safe = torch.where(s != 0, s, torch.full_like(s, float("inf")))
     scaled = b / safe
     z = None
     if qp.zero is not None:

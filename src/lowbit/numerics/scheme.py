@@ -63,6 +63,16 @@ class Scheme:
             (7.5 for INT4, 127.5 for INT8) so that all ``2^bits`` levels are used, as
             compressed-tensors and llm-compressor do; the positive end may clip by half a
             step.  ``False``: ``amax / qmax`` over the restricted range [−qmax, qmax].
+        signed_scale: for symmetric integer weights, the scale takes the sign that puts
+            each block's largest-magnitude element exactly on the most negative level
+            (``scale = x_ext / qmin``: −8 for INT4, −2 for INT2), so that all ``2^bits``
+            levels are used with a step of ``amax / 8`` (INT4), finer than full_range's
+            ``amax / 7.5``; the extreme is exact, and only elements of the other sign beyond
+            ``qmax + ½`` steps saturate — the rule of llama.cpp's Q4_0 and of AutoRound's
+            symmetric integers.  Scales are then
+            negative for blocks whose extreme is positive; dequantization ``q · scale`` is
+            unchanged, so checkpoints keep the plain symmetric layout.  Excludes
+            ``full_range`` (which it supersedes) and dynamic (activation) schemes.
     """
 
     format: F.Format
@@ -75,6 +85,7 @@ class Scheme:
     full_range: bool = False
     mx_nearest: bool = False
     ggml: str = ""
+    signed_scale: bool = False
 
     def __post_init__(self) -> None:
         fmt = self.format
@@ -101,12 +112,21 @@ class Scheme:
             raise ValueError("mx_nearest applies to e8m0 scales only, and excludes mx_round_up")
         if self.full_range and not (fmt.kind == "int" and self.symmetric):
             raise ValueError("full_range applies to symmetric integer formats only")
+        if self.signed_scale:
+            if not (fmt.kind == "int" and self.symmetric) or self.global_scale or self.scale_dtype == "e8m0":
+                raise ValueError("signed_scale applies to symmetric integer formats with float scales only")
+            if self.full_range:
+                raise ValueError("signed_scale and full_range exclude each other: signed_scale already uses "
+                                 "all levels (the block's extreme on qmin); set full_range: false")
+            if self.dynamic:
+                raise ValueError("signed_scale is for weights: engines compute dynamic activation scales "
+                                 "as positive amax / qmax")
 
     def _check_ggml(self) -> None:
         t = G.get_type(self.ggml)
         want = dict(format=t.format_name, granularity=f"group({t.block})", symmetric=not t.has_min,
                     scale_dtype="fp16", global_scale=False, dynamic=False, full_range=False, mx_round_up=False,
-                    mx_nearest=False)
+                    mx_nearest=False, signed_scale=False)
         have = {k: (getattr(self, k).name if k == "format" else str(getattr(self, k)) if k == "granularity"
                     else getattr(self, k)) for k in want}
         bad = [f"{k}={have[k]!r} (needs {v!r})" for k, v in want.items() if have[k] != v]
@@ -126,7 +146,7 @@ class Scheme:
             parts.append("asym")
         parts.append(f"scale={self.scale_dtype}")
         flags = {"global_scale": "+global", "dynamic": "dynamic", "full_range": "full-range",
-                 "mx_round_up": "mx-round-up", "mx_nearest": "mx-nearest"}
+                 "mx_round_up": "mx-round-up", "mx_nearest": "mx-nearest", "signed_scale": "signed-scale"}
         parts += [label for name, label in flags.items() if getattr(self, name)]
         return " ".join(parts)
 
@@ -191,6 +211,8 @@ class Scheme:
             zero = torch.round(fmt.min - lo / safe).clamp_(fmt.min, fmt.max)
             return scale, torch.where(scale > 0, zero, torch.zeros_like(zero))
         amax = torch.maximum(-lo, hi)
+        if self.signed_scale:            # the extreme on qmin: positive scale when it is negative
+            return self.round_scale(torch.where(-lo >= hi, amax, -amax) / -fmt.min), None
         if self.scale_dtype == "e8m0":
             return _mx_scale(amax, fmt, self.mx_round_up, self.mx_nearest), None
         if self.global_scale:
@@ -244,6 +266,11 @@ PRESETS: dict[str, Scheme] = {
     "int4-g64-asym": Scheme(F.UINT4, group(64), symmetric=False, scale_dtype="bf16"),
     "int4-g32": Scheme(F.INT4, group(32), scale_dtype="bf16", full_range=True),
     "int2-g64": Scheme(F.INT2, group(64), scale_dtype="bf16", full_range=True),  # levels −2…1, amax → 1.5
+    # the block's extreme on the most negative level (llama.cpp Q4_0's and AutoRound's rule): step amax / 8
+    "int4-g128-signed": Scheme(F.INT4, group(128), scale_dtype="bf16", signed_scale=True),
+    "int4-g64-signed": Scheme(F.INT4, group(64), scale_dtype="bf16", signed_scale=True),
+    "int4-g32-signed": Scheme(F.INT4, group(32), scale_dtype="bf16", signed_scale=True),
+    "int2-g64-signed": Scheme(F.INT2, group(64), scale_dtype="bf16", signed_scale=True),
     "mxfp4": Scheme(F.FP4_E2M1, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),
     "mxfp6": Scheme(F.FP6_E2M3, group(32), scale_dtype="e8m0", dynamic=True),
     "mxfp8": Scheme(F.FP8_E4M3, group(32), scale_dtype="e8m0", dynamic=True, mx_nearest=True),

@@ -267,6 +267,10 @@ def _preset(name: str, description: str, weights=None, inputs=None, kv=None, alg
     return recipe_from_dict(d, f"preset {name}")
 
 
+def _kivi(bits: int, granularity: str) -> dict:
+    return {"format": f"uint{bits}", "granularity": granularity, "symmetric": False, "dynamic": True, "scale_dtype": "fp16"}
+
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
@@ -311,6 +315,10 @@ RECIPES: dict[str, Recipe] = {
         _preset("w4a16-awq-gptq-ro-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales, GPTQ (weighted-MSE scales), "
                 "then learned rounding and clipping", "int4-g64-asym",
                 algorithms={"awq": {"clip": False}, **_GPTQ_MSE, "round_opt": {}}),
+        *(_preset(f"w4a16-{m}-g64-signed", f"W4A16 INT4 g64{d}, signed scales (each group's extreme on -8)",
+                  "int4-g64-signed", algorithms=a) for m, d, a in (
+            ("int4", "", None), ("gptq", ", GPTQ (weighted-MSE scales)", _GPTQ_MSE),
+            ("gptq-ro", ", GPTQ (weighted-MSE scales) then learned rounding and clipping", {**_GPTQ_MSE, "round_opt": {}}))),
         _preset("w2a16-int2-g64", "W2A16 INT2 g64 (round to nearest)", "int2-g64"),
         _preset("w2a16-gptq-g64", "W2A16 INT2 g64, GPTQ (weighted-MSE scales)", "int2-g64", algorithms=_GPTQ_MSE),
         _preset("w2a16-gptq-ro-g64", "W2A16 INT2 g64, GPTQ (weighted-MSE scales) then learned rounding and clipping",
@@ -340,23 +348,11 @@ RECIPES: dict[str, Recipe] = {
         _preset("kv-int8-k-asym", "KV cache INT8 asymmetric keys only, one scale and zero point per channel",
                 kv={"scheme": {"format": "uint8", "granularity": "channel", "symmetric": False, "dynamic": True,
                                "scale_dtype": "fp16"}, "values": False}),
-        _preset("kv-int4-kivi", "KV cache INT4 asymmetric: keys per channel, values per token (KIVI)",
-                kv={"scheme": {"format": "uint4", "granularity": "channel", "symmetric": False, "dynamic": True,
-                               "scale_dtype": "fp16"},
-                    "value_scheme": {"format": "uint4", "granularity": "token", "symmetric": False, "dynamic": True,
-                                     "scale_dtype": "fp16"}}),
-        _preset("kv-int2-kivi", "KV cache INT2 asymmetric: keys per channel, values per token (KIVI)",
-                kv={"scheme": {"format": "uint2", "granularity": "channel", "symmetric": False, "dynamic": True,
-                               "scale_dtype": "fp16"},
-                    "value_scheme": {"format": "uint2", "granularity": "token", "symmetric": False, "dynamic": True,
-                                     "scale_dtype": "fp16"}}),
-        *(_preset(f"kv-int{b}-kivi-r128", f"KV cache INT{b} asymmetric, keys per channel in groups of 128 tokens, "
-                  "values per token, the last (incomplete) group of 128 in full precision (KIVI)",
-                  kv={"scheme": {"format": f"uint{b}", "granularity": "channel", "symmetric": False, "dynamic": True,
-                                 "scale_dtype": "fp16"},
-                      "value_scheme": {"format": f"uint{b}", "granularity": "token", "symmetric": False,
-                                       "dynamic": True, "scale_dtype": "fp16"}, "residual": 128})
-          for b in (4, 2)),
+        *(_preset(f"kv-int{b}-kivi{'-r128' if r else ''}", f"KV cache INT{b} asymmetric"
+                  + (", keys per channel in groups of 128 tokens, values per token, the last (incomplete) group of 128 "
+                     "in full precision (KIVI)" if r else ": keys per channel, values per token (KIVI)"),
+                  kv={"scheme": _kivi(b, "channel"), "value_scheme": _kivi(b, "token"), **({"residual": r} if r else {})})
+          for r in (0, 128) for b in (4, 2)),
     )
 }
 

@@ -18,6 +18,7 @@ SCHEMES = {
     "mxfp4": PRESETS["mxfp4"],
     "nvfp4": PRESETS["nvfp4"],
     "int2-g32": Scheme(F.INT2, group(32), scale_dtype="bf16", full_range=True),
+    "int4-g32-signed": PRESETS["int4-g32-signed"],  # negative scales where a group's extreme is positive
     "gguf-iq4_nl": PRESETS["gguf-iq4_nl"],       # a table grid: columns round to the nearest entry
 }
 
@@ -75,6 +76,7 @@ def test_diagonal_hessian_equals_rtn_in_any_order(name):
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int8-channel", "int4-tensor", "mxfp4", "nvfp4", "int4-block16x32",
+                                  "int4-g32-signed",
                                   "int2-g32", "gguf-iq4_nl"])
 def test_gptq_beats_rtn_on_correlated_inputs(name):
     scheme = SCHEMES[name]

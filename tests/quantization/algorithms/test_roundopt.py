@@ -11,7 +11,8 @@ from lowbit.numerics.scheme import PRESETS
 from lowbit.quantization.algorithms import LearnedRounding, gptq, optimize_rounding
 from lowbit.quantization.algorithms.rtn import mse_qparams
 
-SCHEMES = ["int4-g64", "int4-g64-asym", "int4-channel", "int8-channel", "mxfp4", "nvfp4", "fp8-block", "int2-g64"]
+SCHEMES = ["int4-g64", "int4-g64-asym", "int4-channel", "int8-channel", "mxfp4", "nvfp4", "fp8-block", "int2-g64",
+           "int4-g64-signed"]
 
 
 def _w(rows=128, cols=256, seed=0):
@@ -82,7 +83,7 @@ def _mlp_problem(seed=0):
     return forward, weights, [(x, forward(weights, x)) for x in xs]
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g64-asym", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g64-asym", "mxfp4", "nvfp4", "int4-g64-signed"])
 @pytest.mark.parametrize("learn_clip", [True, False])
 def test_it_lowers_the_block_output_error_and_never_raises_it(name, learn_clip):
     forward, weights, batches = _mlp_problem()

@@ -165,7 +165,7 @@ def gptq(
                         c = group_columns(o)
                         current = _current_columns(inv_perm[c], Wt, W1, E1, U, i1, i)  # (out, width)
                         qps[o] = observe(current, c, global_scale)
-                    col_scale[g] = _per_row(qps[o], br, rows, g % per, t is not None)
+                    col_scale[g] = _per_row(qps[o], br, rows, g % per)
                 s, safe, z = col_scale[g]
                 w_col = W1[i]                                        # (out,)
                 q, w_hat = _round_column(w_col, s, safe, z, fmt, t)
@@ -251,14 +251,13 @@ def _current_columns(
         out[~inside] = Wt[beyond] - U[i1:i1 + i, beyond].T @ E1[:i]
     return out.T
 
-def _per_row(qp: QParams, br: int, rows: int, k: int = 0,
-             ggml: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _per_row(qp: QParams, br: int, rows: int, k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Column ``k`` of an observation's ``(R, ·)`` effective scale and zero expanded to one
     entry per row: ``(s, safe, z)`` with ``safe`` the divisor :func:`_round_column` uses
-    (``inf`` where ``s`` is 0, so that such rows round to zero — GGUF scales may be
-    negative), formed once per group."""
+    (``inf`` where ``s`` is 0, so that such rows round to zero — GGUF and ``signed_scale``
+    scales may be negative), formed once per group."""
     s = _effective_scale(qp)[:, k].repeat_interleave(br)[:rows]  # (out,)
-    safe = torch.where((s != 0) if ggml else (s > 0), s, torch.full_like(s, float("inf")))
+    safe = torch.where(s != 0, s, torch.full_like(s, float("inf")))
     z = None if qp.zero is None else qp.zero[:, k].repeat_interleave(br)[:rows]
     return s, safe, z
 

@@ -148,7 +148,7 @@ class LearnedRounding:
 
     def _y(self, s_stored: torch.Tensor) -> torch.Tensor:
         s = self._effective(s_stored)
-        safe = torch.where(s > 0, s, torch.full_like(s, float("inf")))               # zero scale: all zeros
+        safe = torch.where(s != 0, s, torch.full_like(s, float("inf")))              # zero scale: all zeros
         return self.wb / safe
 
     def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor | None]:

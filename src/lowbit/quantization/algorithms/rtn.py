@@ -33,11 +33,12 @@ def _block_range(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The min-max range a clipping search shrinks: per block of ``scheme``'s granularity
     of the ``(rows, cols)`` matrix ``m``, ``(lo, hi)`` of shape ``(R, C)`` (symmetric
-    schemes: ``±max|·|``), and the global scale for two-level schemes (``global_scale``,
+    schemes: ``±max|·|``, except with ``signed_scale``, whose scale follows the extreme's
+    side), and the global scale for two-level schemes (``global_scale``,
     else computed from ``m`` as min-max does; ``None`` for one-level schemes)."""
     b = blocked(m, scheme.granularity)                                       # (R, br, C, bc)
     lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
-    if scheme.symmetric:
+    if scheme.symmetric and not scheme.signed_scale:
         hi = torch.maximum(-lo, hi)
         lo = -hi
     if scheme.global_scale and global_scale is None:
