@@ -137,6 +137,30 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired(results: list[dict]) -> list[dict]:
+    """Every lowbit side against every peer side of the same row, paired over the evaluation windows
+    (:func:`lowbit.evaluation.metrics.paired_difference`): the peer's evaluation is ``a``, lowbit's
+    ``b``, so a KL ratio interval below 1 means lowbit's KL is lower on these windows beyond chance."""
+    from types import SimpleNamespace
+
+    from lowbit.evaluation.metrics import paired_difference
+
+    ok = [r for r in results if not r["result"].get("error") and r["result"].get("window_kl")]
+    out = []
+    for lb in (r for r in ok if r["side"].startswith("lowbit")):
+        for peer in (r for r in ok if r["row"] == lb["row"] and not r["side"].startswith("lowbit")):
+            ev = [SimpleNamespace(name=r["side"], **{k: tuple(r["result"][k]) for k in
+                                                    ("window_nll", "window_tokens", "window_kl")}) for r in (peer, lb)]
+            out.append({"row": lb["row"], "lowbit": lb["side"], "peer": peer["side"], **paired_difference(*ev)})
+    return out
+
+
+def paired_lines(pairs: list[dict]) -> str:
+    return "\n".join(f"{p['row']}: {p['lowbit']} / {p['peer']}: KL ratio {p['kl_ratio']:.3f} "
+                     f"[{p['kl_ratio_ci'][0]:.3f}, {p['kl_ratio_ci'][1]:.3f}], PPL ratio {p['ppl_ratio']:.4f} "
+                     f"[{p['ppl_ratio_ci'][0]:.4f}, {p['ppl_ratio_ci'][1]:.4f}] (paired over windows)" for p in pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="w4a16-g64-sym", help="comma list of: " + ", ".join(ROWS))
@@ -195,10 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"top-1 {res['top1']:.3f} | quantize {res['quantize_seconds']:.1f} s, peak {res['peak_mib']:.0f} MiB",
                   flush=True)
     meta["total_seconds"] = time.perf_counter() - t_start
+    meta["paired"] = paired(results)
     dump()
     print(f"\n{wb.info.name}: reference PPL {ref.ppl:.3f}, {len(wb.windows)} eval windows, "
           f"{len(wb.calib_windows)} calibration windows, total {meta['total_seconds'] / 60:.1f} min")
     print(table(results))
+    if meta["paired"]:
+        print(paired_lines(meta["paired"]))
     return 0
 
 

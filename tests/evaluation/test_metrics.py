@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lowbit.evaluation.metrics import evaluate, reference_predictions
+from lowbit.evaluation.metrics import Eval, evaluate, paired_difference, reference_predictions
 from lowbit.quantization.pipeline import quantize
 from lowbit.quantization.recipe import RECIPES
 from lowbit.quantization.runtime import plain_forward, quantized_execution
@@ -49,6 +49,46 @@ def test_metrics_match_direct_computation(tiny_llama, windows):
     assert ev.delta_pct == pytest.approx(100 * (ev.ppl / ref_ppl - 1), rel=1e-6)
     assert ev.ppl_ci[0] <= ev.ppl <= ev.ppl_ci[1]
     assert ev.kl_mean > 0
+    # the per-window sums a paired comparison resamples add up to the totals
+    seq = windows.shape[1] - 1
+    assert ev.window_tokens == (float(seq),) * len(windows)
+    assert sum(ev.window_kl) / ev.tokens == pytest.approx(ev.kl_mean, rel=1e-9)
+    assert math.exp(sum(ev.window_nll) / ev.tokens) == pytest.approx(ev.ppl, rel=1e-9)
+    assert ev.window_kl[0] == pytest.approx(kl[:seq].sum().item(), rel=1e-3)
+
+
+def _eval(name, kl, nll, tokens=100.0):
+    return Eval(name, 1.0, (1.0, 1.0), len(kl), int(tokens * len(kl)), 0.0, window_nll=tuple(nll),
+                window_tokens=(tokens,) * len(kl), window_kl=tuple(kl))
+
+
+def test_paired_difference_sees_what_two_separate_intervals_cannot():
+    """Windows differ in difficulty far more than two configurations differ on one window: the
+    paired interval of the KL ratio excludes 1, while each configuration's own interval overlaps
+    the other's."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    hard = g.lognormal(0, 0.6, 64) * 10                        # per-window KL sums of configuration a
+    a = _eval("a", hard, hard * 30)
+    b = _eval("b", hard * 0.92 * g.normal(1, 0.02, 64), hard * 30 - 5)
+    p = paired_difference(a, b)
+    assert p["kl_ratio"] == pytest.approx(sum(b.window_kl) / sum(a.window_kl))
+    assert p["kl_ratio_ci"][1] < 1 and p["kl_diff_ci"][1] < 0
+    assert p["ppl_ratio"] == pytest.approx(math.exp(-5 * 64 / (100 * 64))) and p["ppl_ratio_ci"][1] < 1
+    idx = g.integers(0, 64, (1000, 64))                        # each one's own bootstrap interval
+    ci = [np.percentile(np.asarray(e.window_kl)[idx].sum(1) / 6400, [2.5, 97.5]) for e in (a, b)]
+    assert ci[1][1] > ci[0][0]                                 # they overlap
+    same = paired_difference(a, a)
+    assert same["kl_ratio_ci"] == (1.0, 1.0) and same["kl_diff"] == 0
+
+
+def test_paired_difference_refuses_unpaired_inputs():
+    a = _eval("a", [1.0, 2.0], [3.0, 4.0])
+    with pytest.raises(ValueError, match="same windows"):
+        paired_difference(a, _eval("b", [1.0, 2.0], [3.0, 4.0], tokens=50.0))
+    with pytest.raises(ValueError, match="no per-window KL"):
+        paired_difference(a, Eval("old", 1.0, (1.0, 1.0), 2, 200, 0.0))
 
 
 def test_topk_kl_is_a_lower_bound_of_full_kl(tiny_llama, windows):

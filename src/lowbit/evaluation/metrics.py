@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,8 @@ from ..util.io import CorruptFile, load_tensors, save_tensors
 from ..util.parallel import map_shards
 from ..quantization.runtime import Forward
 
-__all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "summarize_reference", "window_metrics"]
+__all__ = ["Reference", "Eval", "reference_predictions", "evaluate", "summarize_reference", "window_metrics",
+           "paired_difference"]
 
 DEFAULT_TOPK = 1024
 _REST_FLOOR = 1e-5
@@ -84,6 +85,11 @@ class Eval:
     top1: float | None = None
     top1_ci: tuple[float, float] | None = None
     kl_topk: int | None = None
+    #: per window: NLL sum, counted tokens and (with a reference) KL sum — what a paired comparison of
+    #: two configurations on the same windows resamples (:func:`paired_difference`)
+    window_nll: tuple[float, ...] | None = field(default=None, repr=False)
+    window_tokens: tuple[float, ...] | None = field(default=None, repr=False)
+    window_kl: tuple[float, ...] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -271,7 +277,8 @@ def _summarize(name, nll_w, count, seconds, bootstrap, seed, reference=None, kl_
     if mask is not None:  # with a loss mask a resample may hold no counted token: it says nothing
         idx, cnt_b = idx[cnt_b > 0], cnt_b[cnt_b > 0]
     ppl = math.exp(nll_w.sum() / tokens)
-    res = dict(name=name, ppl=ppl, ppl_ci=_ci(np.exp(nll_w[idx].sum(1) / cnt_b)), windows=n, tokens=tokens, seconds=seconds)
+    res = dict(name=name, ppl=ppl, ppl_ci=_ci(np.exp(nll_w[idx].sum(1) / cnt_b)), windows=n, tokens=tokens, seconds=seconds,
+               window_nll=tuple(map(float, nll_w)), window_tokens=tuple(map(float, count)))
     if reference is not None:
         ref_w = _masked_nll(reference, mask)
         ref_ppl = math.exp(ref_w.sum() / tokens)
@@ -285,5 +292,28 @@ def _summarize(name, nll_w, count, seconds, bootstrap, seed, reference=None, kl_
             top1=float(agree_w.sum() / tokens),
             top1_ci=_ci(agree_w[idx].sum(1) / cnt_b),
             kl_topk=reference.k,
+            window_kl=tuple(map(float, kl_w)),
         )
     return Eval(**res)
+
+
+def paired_difference(a: Eval, b: Eval, *, bootstrap: int = 1000, seed: int = 0) -> dict:
+    """``b`` against ``a``, evaluated on the same windows: the KL difference ``b − a``, the KL ratio
+    ``b / a`` and the perplexity ratio ``b / a``, each with a paired bootstrap 95% interval (the same
+    resampled windows for both, so the windows' shared difficulty cancels, which two separate
+    intervals cannot show).  Needs both evaluations' per-window sums (``Eval.window_*``)."""
+    for e in (a, b):
+        if e.window_nll is None or e.window_kl is None:
+            raise ValueError(f"paired_difference: {e.name or 'an evaluation'} has no per-window KL "
+                             "(evaluated without a reference, or read from an older result)")
+    if a.window_tokens != b.window_tokens:
+        raise ValueError(f"paired_difference: {a.name} and {b.name} were not evaluated on the same windows")
+    tok = np.asarray(a.window_tokens)
+    (nll_a, kl_a), (nll_b, kl_b) = ((np.asarray(e.window_nll), np.asarray(e.window_kl)) for e in (a, b))
+    idx = np.random.default_rng(seed).integers(0, len(tok), size=(bootstrap, len(tok)))
+    t = tok[idx].sum(1)
+    ka, kb = kl_a[idx].sum(1) / t, kl_b[idx].sum(1) / t
+    ppl_ratio = np.exp((nll_b[idx].sum(1) - nll_a[idx].sum(1)) / t)
+    return {"kl_diff": float((kl_b.sum() - kl_a.sum()) / tok.sum()), "kl_diff_ci": _ci(kb - ka),
+            "kl_ratio": float(kl_b.sum() / kl_a.sum()), "kl_ratio_ci": _ci(kb / ka),
+            "ppl_ratio": float(math.exp((nll_b.sum() - nll_a.sum()) / tok.sum())), "ppl_ratio_ci": _ci(ppl_ratio)}
