@@ -50,6 +50,10 @@ def test_custom_ignore_replaces_default():
          r"recipe.weights: asymmetric quantization needs an integer format"),
         ({"algorithms": {"gptq": {"blocksize": 4}}}, r"recipe.algorithms.gptq: unknown key\(s\) \[.blocksize.\]"),
         ({"algorithms": {"awq": {}, "smoothquant": {}}}, r"recipe.algorithms: smoothquant and awq"),
+        ({"rules": [{"targets": ["*"], "inputs": {"format": "int8", "granularity": "tensor", "signed_scale": True}}]},
+         r"recipe.rules\[0\].inputs: signed_scale is for weights"),
+        ({"kv_cache": {"scheme": {"format": "int8", "granularity": "tensor", "signed_scale": True}}},
+         r"recipe.kv_cache: signed_scale is for weights"),
     ],
 )
 def test_errors_name_the_key_path(d, path):

@@ -59,6 +59,8 @@ class KVConfig:
                 raise ValueError(f"a static (calibrated) scale needs tensor or head granularity, got {s.granularity}")
             if s.global_scale:
                 raise ValueError("two-level (global-scale) schemes are not supported for the KV cache")
+            if s.signed_scale:
+                raise ValueError("signed_scale is for weights; KV-cache scales are positive amax / qmax")
 
     @property
     def v_scheme(self) -> Scheme:

@@ -204,7 +204,10 @@ _RULE_KEYS = {"targets", "weights", "inputs"}
 
 
 def _opt_scheme(v, where: str) -> Scheme | None:
-    return None if v is None else scheme_from_dict(v, where)
+    s = None if v is None else scheme_from_dict(v, where)
+    if s is not None and s.signed_scale and not where.endswith(".weights"):
+        raise ValueError(f"{where}: signed_scale is for weights (activation and KV scales are positive amax / qmax)")
+    return s
 
 
 def _str_list(v, where: str) -> tuple[str, ...]:

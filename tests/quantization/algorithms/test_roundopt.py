@@ -49,7 +49,7 @@ def test_at_the_start_it_is_its_initial_quantization_bit_for_bit(name):
         assert r.radius == (1.0 if kind == "gptq" else 0.5), kind
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g64-asym", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g64-asym", "mxfp4", "nvfp4", "int4-g64-signed"])
 def test_gptq_rounding_inputs_round_to_its_codes(name):
     """GPTQ's weights as it rounded them: round-to-nearest of them at GPTQ's scales is GPTQ's
     result, so learned rounding anchored there starts in AdaRound's space (radius ½)."""
