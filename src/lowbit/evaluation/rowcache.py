@@ -38,7 +38,7 @@ __all__ = ["row_path", "load_row", "cached_row", "is_cached"]
 
 log = logging.getLogger(__name__)
 
-_TUPLES = ("ppl_ci", "delta_ci", "kl_ci", "top1_ci")
+_TUPLES = ("ppl_ci", "delta_ci", "kl_ci", "top1_ci", "window_nll", "window_tokens", "window_kl")
 
 
 def row_path(bench: Workbench, recipe: Recipe) -> Path:
