@@ -178,7 +178,7 @@ def _row_dict(ev, quantize_seconds: float | None, peak_mib: float | None, note: 
             "kl_ci": list(ev.kl_ci) if ev.kl_ci else None, "kl_p99": ev.kl_p99, "top1": ev.top1,
             "top1_ci": list(ev.top1_ci) if ev.top1_ci else None, "eval_seconds": ev.seconds,
             "quantize_seconds": quantize_seconds, "peak_mib": peak_mib, "note": note,
-            # per-window sums, for paired comparisons between sides (vs_peers.py --paired)
+            # per-window sums, for paired comparisons between sides (vs_peers.py's paired())
             "window_nll": ev.window_nll, "window_tokens": ev.window_tokens, "window_kl": ev.window_kl}
 
 

@@ -97,17 +97,29 @@ def compute_qparams(x: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor 
         _check_finite(m, "quantize")
         scale, zero, super_scale, super_min = ggml_rtn_params(m, scheme.ggml_type)
         return QParams(scale, zero, None, super_scale, super_min)
-    b = blocked(m, scheme.granularity)
-    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))  # NaN propagates into these
+    lo, hi, g = block_range(m, scheme, global_scale)  # NaN and inf propagate into these
     if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         _check_finite(x, "quantize")
-    if scheme.symmetric and not scheme.signed_scale:   # signed scales need the extreme's side
+    scale, zero = scheme.scales_from_range(lo, hi, g)
+    return QParams(scale, zero, g)
+
+
+def block_range(
+    m: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per block of ``scheme``'s granularity of the ``(rows, cols)`` matrix ``m``: ``(lo, hi)``
+    of shape ``(R, C)`` — for symmetric schemes ``±max|·|``, except with ``signed_scale``, whose
+    scale follows the extreme's side — and the global scale of a two-level scheme
+    (``global_scale``, else computed from ``m``; ``None`` for one-level schemes).  What min-max
+    scales are computed from, and what clipping searches shrink."""
+    b = blocked(m, scheme.granularity)                                       # (R, br, C, bc)
+    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
+    if scheme.symmetric and not scheme.signed_scale:
         hi = torch.maximum(-lo, hi)
         lo = -hi
     if scheme.global_scale and global_scale is None:
         global_scale = scheme.global_scale_from_amax(hi.max())
-    scale, zero = scheme.scales_from_range(lo, hi, global_scale)
-    return QParams(scale, zero, global_scale if scheme.global_scale else None)
+    return lo, hi, (global_scale if scheme.global_scale else None)
 
 
 def _effective_scale(qp: QParams) -> torch.Tensor:

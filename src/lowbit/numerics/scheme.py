@@ -69,10 +69,10 @@ class Scheme:
             levels are used with a step of ``amax / 8`` (INT4), finer than full_range's
             ``amax / 7.5``; the extreme is exact, and only elements of the other sign beyond
             ``qmax + ½`` steps saturate — the rule of llama.cpp's Q4_0 and of AutoRound's
-            symmetric integers.  Scales are then
-            negative for blocks whose extreme is positive; dequantization ``q · scale`` is
-            unchanged, so checkpoints keep the plain symmetric layout.  Excludes
-            ``full_range`` (which it supersedes) and dynamic (activation) schemes.
+            symmetric integers.  Scales are then negative for blocks whose extreme is
+            positive; dequantization ``q · scale`` is unchanged, so checkpoints keep the
+            plain symmetric layout.  Excludes ``full_range`` (which it supersedes) and
+            dynamic (activation) schemes.
     """
 
     format: F.Format

@@ -204,8 +204,12 @@ _RULE_KEYS = {"targets", "weights", "inputs"}
 
 
 def _opt_scheme(v, where: str) -> Scheme | None:
-    s = None if v is None else scheme_from_dict(v, where)
-    if s is not None and s.signed_scale and not where.endswith(".weights"):
+    return None if v is None else scheme_from_dict(v, where)
+
+
+def _inputs_scheme(v, where: str) -> Scheme | None:
+    s = _opt_scheme(v, where)
+    if s is not None and s.signed_scale:
         raise ValueError(f"{where}: signed_scale is for weights (activation and KV scales are positive amax / qmax)")
     return s
 
@@ -224,7 +228,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
     rules = []
     if "weights" in d or "inputs" in d:
         rules.append(
-            Rule(("*",), _opt_scheme(d.get("weights"), f"{where}.weights"), _opt_scheme(d.get("inputs"), f"{where}.inputs"))
+            Rule(("*",), _opt_scheme(d.get("weights"), f"{where}.weights"), _inputs_scheme(d.get("inputs"), f"{where}.inputs"))
         )
     rule_list = d.get("rules") or []
     if not isinstance(rule_list, list):
@@ -236,7 +240,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
             raise ValueError(f"{w}.targets: required")
         rules.append(
             Rule(_str_list(r["targets"], f"{w}.targets"), _opt_scheme(r.get("weights"), f"{w}.weights"),
-                 _opt_scheme(r.get("inputs"), f"{w}.inputs"))
+                 _inputs_scheme(r.get("inputs"), f"{w}.inputs"))
         )
     kv = None
     if d.get("kv_cache") is not None:
@@ -270,7 +274,8 @@ def _preset(name: str, description: str, weights=None, inputs=None, kv=None, alg
     return recipe_from_dict(d, f"preset {name}")
 
 
-def _kivi(bits: int, granularity: str) -> dict:
+def _kv_asym(bits: int, granularity: str) -> dict:
+    """An asymmetric dynamic KV-cache scheme with fp16 scales (KIVI's keys per channel, values per token)."""
     return {"format": f"uint{bits}", "granularity": granularity, "symmetric": False, "dynamic": True, "scale_dtype": "fp16"}
 
 
@@ -349,12 +354,11 @@ RECIPES: dict[str, Recipe] = {
         _preset("kv-fp8-centered", "KV cache FP8, calibrated per-tensor scales, per-channel key mean subtracted first",
                 kv={"scheme": "fp8-tensor", "center_keys": True}),
         _preset("kv-int8-k-asym", "KV cache INT8 asymmetric keys only, one scale and zero point per channel",
-                kv={"scheme": {"format": "uint8", "granularity": "channel", "symmetric": False, "dynamic": True,
-                               "scale_dtype": "fp16"}, "values": False}),
+                kv={"scheme": _kv_asym(8, "channel"), "values": False}),
         *(_preset(f"kv-int{b}-kivi{'-r128' if r else ''}", f"KV cache INT{b} asymmetric"
                   + (", keys per channel in groups of 128 tokens, values per token, the last (incomplete) group of 128 "
                      "in full precision (KIVI)" if r else ": keys per channel, values per token (KIVI)"),
-                  kv={"scheme": _kivi(b, "channel"), "value_scheme": _kivi(b, "token"), **({"residual": r} if r else {})})
+                  kv={"scheme": _kv_asym(b, "channel"), "value_scheme": _kv_asym(b, "token"), **({"residual": r} if r else {})})
           for r in (0, 128) for b in (4, 2)),
     )
 }

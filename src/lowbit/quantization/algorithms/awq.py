@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 
 from ...numerics.granularity import block, blocked, unblocked
-from ...numerics.qtensor import QParams, _check_finite, fake_quantize
+from ...numerics.qtensor import QParams, _check_finite, block_range, fake_quantize
 from ...numerics.scheme import Scheme
-from .rtn import _BestPerBlock, _block_range, clip_ratios
+from .rtn import _BestPerBlock, clip_ratios
 
 __all__ = ["awq_scales", "awq_clip", "OutFn"]
 
@@ -130,7 +130,7 @@ def awq_clip(
     br, gc = min(br, rows), min(gc, cols)
     xe = _subsample(xf, n_tokens, seed)                                      # (t, in)
 
-    lo, hi, g = _block_range(wf, scheme, global_scale)                       # (R, C)
+    lo, hi, g = block_range(wf, scheme, global_scale)                       # (R, C)
 
     xg = _column_groups(xe, gc)                                              # (C, t, gc)
     ref = torch.bmm(xg, _column_groups(wf, gc).transpose(1, 2))              # (C, t, out) partial outputs

@@ -13,7 +13,7 @@ import torch
 from ...numerics import ggml as G
 from ...numerics.ggml_search import rtn_params as ggml_rtn_params
 from ...numerics.granularity import blocked, matrix_shape, matrix_view
-from ...numerics.qtensor import QParams, _check_finite, fake_quantize
+from ...numerics.qtensor import QParams, _check_finite, block_range, fake_quantize
 from ...numerics.scheme import Scheme
 
 __all__ = ["mse_qparams", "clip_ratios"]
@@ -26,24 +26,6 @@ def clip_ratios(grid: int, max_shrink: float) -> list[float]:
         raise ValueError(f"clip ratios need grid ≥ 1 and 0 ≤ max_shrink < 1, got grid={grid}, max_shrink={max_shrink}")
     steps = int(round(max_shrink * grid))
     return [1.0 - k / grid for k in range(steps + 1)]
-
-
-def _block_range(
-    m: torch.Tensor, scheme: Scheme, global_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The min-max range a clipping search shrinks: per block of ``scheme``'s granularity
-    of the ``(rows, cols)`` matrix ``m``, ``(lo, hi)`` of shape ``(R, C)`` (symmetric
-    schemes: ``±max|·|``, except with ``signed_scale``, whose scale follows the extreme's
-    side), and the global scale for two-level schemes (``global_scale``,
-    else computed from ``m`` as min-max does; ``None`` for one-level schemes)."""
-    b = blocked(m, scheme.granularity)                                       # (R, br, C, bc)
-    lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))                          # (R, C)
-    if scheme.symmetric and not scheme.signed_scale:
-        hi = torch.maximum(-lo, hi)
-        lo = -hi
-    if scheme.global_scale and global_scale is None:
-        global_scale = scheme.global_scale_from_amax(hi.max())
-    return lo, hi, (global_scale if scheme.global_scale else None)
 
 
 class _BestPerBlock:
@@ -119,7 +101,7 @@ def mse_qparams(
         weight = blocked(imp.expand(rows, cols), gran)                       # (R, br, C, bc)
     if scheme.ggml:
         return _ggml_search(m, scheme.ggml_type, clip_ratios(grid, max_shrink), weight, norm)
-    lo, hi, g = _block_range(m, scheme, global_scale)                        # (R, C)
+    lo, hi, g = block_range(m, scheme, global_scale)                        # (R, C)
 
     best = _BestPerBlock()
     for r in clip_ratios(grid, max_shrink):
