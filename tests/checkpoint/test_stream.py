@@ -1,7 +1,9 @@
-"""Writing a checkpoint layer by layer from a lazily loaded model: the same tensors as the
-in-memory export, in one shard per decoder layer, read back by compressed-tensors."""
+"""Writing a checkpoint layer by layer from a lazily loaded model, the layer passes by replay
+(``algorithms.recompute``, as ``--low-memory`` runs them): the same tensors as the in-memory
+export in lockstep, in one shard per decoder layer, read back by compressed-tensors."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,6 +41,8 @@ def _in_memory(model, recipe):
 
 
 def _streamed(folder, recipe, out):
+    """As ``lowbit quantize --low-memory`` runs it: lazily loaded, the layer passes by replay."""
+    recipe = replace(recipe, algorithms=replace(recipe.algorithms, recompute=True))
     model = load_lazy(folder)
     with LayerStore(model, folder) as store, LayerwiseExport(out, model, recipe, dtype=torch.float32) as ex:
         if recipe.needs_calibration or recipe.algorithms.layerwise:

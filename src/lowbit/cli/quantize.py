@@ -90,7 +90,8 @@ def register(subparsers) -> None:
     p.add_argument("--windows", type=int, default=64, help="evaluation windows (default 64)")
     p.add_argument("--low-memory", action="store_true",
                    help="hold one decoder layer in memory at a time, reading the model from its safetensors and "
-                        "writing the checkpoint layer by layer (for models larger than memory; needs --no-eval)")
+                        "writing the checkpoint layer by layer, and one calibration chunk's activations at a time "
+                        "(algorithms.recompute; for models larger than memory; needs --no-eval)")
     p.add_argument("--cache", type=Path, default=None, help="cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     from .device import add_device_options
 

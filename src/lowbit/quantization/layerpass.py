@@ -1,6 +1,8 @@
 """One decoder layer's pass of the layer-by-layer pipeline: every calibration chunk runs
-the layer in lockstep, and each group of Linears that reads one input is quantized when
-all chunks have reached it (see :mod:`lowbit.quantization.layerwise`)."""
+the layer in lockstep (or, with ``algorithms.recompute``, by replay: one chunk at a time,
+recomputed from the layer's input for each group), and each group of Linears that reads
+one input is quantized when all chunks have reached it (see
+:mod:`lowbit.quantization.layerwise`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch import nn
 
 from ..numerics.scheme import Scheme
 from ..util import heap
-from ..util.lockstep import run_in_lockstep
+from ..util.lockstep import run_by_replay, run_in_lockstep
 from .balancing import experts_by_module
 from .calibrate import CalibStats
 from .inputstats import InputStats
@@ -90,9 +92,10 @@ class LayerPass:
         self.rounded_experts: set[tuple[str, int]] = set()  # too few tokens: min-max rounding
 
     def layer_pass(self, i: int, layer: nn.Module, inputs: list[torch.Tensor], kwargs: dict, lnames: list[str],
-                   leader: dict[str, str]) -> tuple[list[torch.Tensor], float]:
+                   leader: dict[str, str], outputs: bool = True) -> tuple[list[torch.Tensor] | None, float]:
         """Layer ``i`` over every chunk of ``inputs`` in one pass, quantizing as it goes;
-        returns the layer's outputs per chunk and the seconds spent quantizing weights.
+        returns the layer's outputs per chunk (``None`` when ``outputs`` is false and the
+        pass could skip making them) and the seconds spent quantizing weights.
 
         Every chunk runs the real forward, in lockstep (:mod:`lowbit.util.lockstep`): at the
         first Linear of each group that reads one input, every chunk's input is added to
@@ -100,8 +103,14 @@ class LayerPass:
         quantized and its input quantization fixed; then every chunk continues through
         the quantized group.  So each Linear's statistics come from inputs the quantized
         Linears before it produced (GPTQ's "true sequential" order), and the outputs are
-        the quantized layer's.  ``inputs`` is consumed (its entries are released as the
-        layer reads them), so that a chunk's input can be freed inside the layer.
+        the quantized layer's.  In lockstep ``inputs`` is consumed (its entries are released
+        as the layer reads them), so that a chunk's input can be freed inside the layer.
+
+        With ``algorithms.recompute`` the chunks run by replay
+        (:func:`~lowbit.util.lockstep.run_by_replay`): the same statistics in the same order
+        and the same outputs, bit for bit, with one chunk's intermediate activations alive
+        instead of all of them, for the cost of running each chunk up to each group again.
+        ``inputs`` is then left as it is (every round reads it).
         """
         ctx = self.ctx
         hooked = [n for n in lnames if n in ctx.plan or n in ctx.online]
@@ -109,7 +118,7 @@ class LayerPass:
         acts: dict[str, ActQuant] = {}  # quantization of each input, its rotation already applied
         done: set[str] = set()
         meeting = []  # the meet() of the lockstep run, once it has started
-        obs = KVObserver() if ctx.kv_cache_kwarg else None
+        obs: list[KVObserver | None] = [None]  # the K/V observer of the current round (replay runs several)
         need_absmax, bf16_gram, squares = ctx.need_absmax, ctx.bf16_gram, ctx.algo.mse_importance
         weight_seconds = 0.0
 
@@ -142,17 +151,31 @@ class LayerPass:
             done.add(g)
             weight_seconds += time.perf_counter() - t
 
+        replay = ctx.algo.recompute
+
         def work(k: int, meet):
             meeting[:] = [meet]
-            h, inputs[k] = inputs[k], None
+            if replay:
+                h = inputs[k]
+            else:
+                h, inputs[k] = inputs[k], None
             kw = dict(kwargs)
-            if obs is not None:
-                kw[ctx.kv_cache_kwarg] = make_cache(ctx.model.config, obs.on_write, store=False)
+            if ctx.kv_cache_kwarg:
+                if k == 0:  # a new round: K/V are counted once, from the round that finishes
+                    obs[0] = KVObserver()
+                kw[ctx.kv_cache_kwarg] = make_cache(ctx.model.config, obs[0].on_write, store=False)
             return _layer_out(layer(h, **kw))
 
         handles = [ctx.modules[n].register_forward_pre_hook(hook_for(n)) for n in hooked]
+        chunks = list(range(len(inputs)))
         try:
-            outputs = run_in_lockstep(work, list(range(len(inputs))), on_meet)
+            if replay:
+                # without outputs, stop once every group is quantized — unless K/V are observed, which
+                # needs the round in which every chunk runs the whole layer
+                last = set() if outputs or ctx.kv_cache_kwarg else {leader[n] for n in hooked}
+                result = run_by_replay(work, chunks, on_meet, stop_after=last)
+            else:
+                result = run_in_lockstep(work, chunks, on_meet)
         finally:
             for hd in handles:
                 hd.remove()
@@ -160,11 +183,11 @@ class LayerPass:
         if missed:
             raise RuntimeError(f"layer {i}: these Linears never ran, so they were not quantized: {missed}")
         self._report_rounded_experts(i)
-        if obs is not None:
-            ctx.stats.k_absmax.update(obs.k_absmax)
-            ctx.stats.v_absmax.update(obs.v_absmax)
-            ctx.stats.k_moments.update(obs.k_moments)
-        return outputs, weight_seconds
+        if obs[0] is not None:
+            ctx.stats.k_absmax.update(obs[0].k_absmax)
+            ctx.stats.v_absmax.update(obs[0].v_absmax)
+            ctx.stats.k_moments.update(obs[0].k_moments)
+        return result, weight_seconds
 
     def _report_rounded_experts(self, i: int) -> None:
         """Log, per MoE layer, how many experts fell back to min-max rounding (too few tokens)."""

@@ -16,6 +16,9 @@
       inputs the quantized Linears before it produce (GPTQ's "true sequential"), K/V
       absmax are recorded at the cache write, and the pass's outputs — the quantized
       layer's, activation quantization included — are the next layer's inputs.
+      ``algorithms.recompute`` runs the chunks one at a time instead, each from the layer's
+      input up to the next group not yet quantized (:func:`lowbit.util.lockstep.run_by_replay`):
+      the same result with one chunk's activations alive, for more compute.
 Only one layer's inputs, activations and statistics are alive at a time.
 """
 
@@ -272,7 +275,8 @@ def quantize_layerwise(
             stage("statistics")
             t_p = time.perf_counter()
             with all_tokens_to_every_expert(layers[i]) if algo.experts_see_all_tokens else _nothing():
-                inputs, weight_seconds = layer_pass.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader)
+                inputs, weight_seconds = layer_pass.layer_pass(i, layers[i], inputs, layer_kwargs[i], lnames, leader,
+                                                               outputs=rounding is None)
             times["weights"] += weight_seconds
             times["pass"] += time.perf_counter() - t_p - weight_seconds
             if rounding is not None:  # tune the layer's rounding; its outputs are computed again

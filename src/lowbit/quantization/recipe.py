@@ -70,6 +70,7 @@ class Algorithms:
             are too few to trust), and gets no AWQ / SmoothQuant scale; counted and logged per layer.
         experts_see_all_tokens: for the statistics, every expert computes on every
             calibration token, not only those routed to it (the outputs stay the routed ones).
+        recompute: layer passes replay one chunk at a time, not lockstep: same result, less memory.
     """
 
     rotation: RotationConfig | None = None
@@ -83,6 +84,7 @@ class Algorithms:
     batch: int = 4
     expert_min_tokens: int = 16
     experts_see_all_tokens: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         for name, cls in METHODS.items():

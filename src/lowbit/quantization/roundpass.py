@@ -4,7 +4,7 @@ has quantized it, has its rounding offsets and clip factors tuned against its fl
 layer's inputs — are computed again with the tuned weights.
 
 Per layer, :meth:`LayerRounding.before` (the layer still in float, after AWQ balancing)
-keeps the layer's float weights, a copy of its inputs and the training targets;
+keeps the layer's float weights, its inputs and the training targets;
 :meth:`LayerRounding.after` (after the layer's pass) trains, writes the weights and their
 QTensors, and returns the layer's new outputs.  Only one layer's copies are alive at a time.
 """
@@ -63,15 +63,27 @@ def _out(o):
     return o[0] if isinstance(o, tuple) else o
 
 
-def _first_windows(inputs: list[torch.Tensor], n: int) -> torch.Tensor:
-    """The first ``n`` windows of batched layer inputs, copied into one tensor."""
-    out = []
+def _batches(inputs: list[torch.Tensor], n: int, batch: int) -> list[torch.Tensor]:
+    """The first ``n`` windows of batched layer inputs regrouped in batches of ``batch``
+    windows (what ``torch.cat`` then ``split`` gives): views of ``inputs`` where a batch
+    lies inside one of them, a copy only where it spans two."""
+    out: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
+    have = 0
     for x in inputs:
+        start = 0
+        while start < x.shape[0] and n > 0:
+            take = min(batch - have, x.shape[0] - start, n)
+            parts.append(x[start:start + take])
+            have, start, n = have + take, start + take, n - take
+            if have == batch:
+                out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+                parts, have = [], 0
         if n <= 0:
             break
-        out.append(x[:n].clone())
-        n -= out[-1].shape[0]
-    return torch.cat(out)
+    if parts:
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out
 
 
 class LayerRounding:
@@ -80,7 +92,7 @@ class LayerRounding:
 
     def __init__(self, cfg: RoundOptConfig, inputs: list[torch.Tensor]) -> None:
         self.cfg = cfg
-        self.float_in = list(_first_windows(inputs, cfg.windows).split(cfg.batch)) if cfg.target == "float" else None
+        self.float_in = [x.clone() for x in _batches(inputs, cfg.windows, cfg.batch)] if cfg.target == "float" else None
         self.seconds = 0.0
         self.losses: list[tuple[float, float]] = []  # per layer: training loss at the start and kept
         self._saved: dict | None = None
@@ -91,14 +103,14 @@ class LayerRounding:
         """Layer still in float: keep its weights (``names``: its quantized Linears), its
         inputs, and the targets of the training windows."""
         cfg = self.cfg
-        train_in = list(_first_windows(inputs, cfg.windows).split(cfg.batch))
+        train_in = _batches(inputs, cfg.windows, cfg.batch)
         source = self.float_in if cfg.target == "float" else train_in
         targets = [_out(layer(x, **kwargs)) for x in source]
         if self.float_in is not None:
             self.float_in = targets                # the float model's inputs of the next layer
         self._saved = {
             "weights": {n: modules[n].weight.detach().clone() for n in names},
-            "inputs": [x.clone() for x in inputs],
+            "inputs": list(inputs),  # the tensors themselves: the pass replaces, never changes, them
             "batches": list(zip(train_in, targets)),
             "prefix": prefix,
         }

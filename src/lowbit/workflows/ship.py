@@ -134,7 +134,8 @@ def quantize_streaming(model: str, recipe: str, out: Path, options: ShipOptions 
     The model is read lazily from its safetensors checkpoint (:mod:`lowbit.models.offload`).
     Recipes that need data — layer-by-layer methods, and static activation or KV scales —
     run in the layer-by-layer pipeline (so static scales come from each layer's inputs as
-    the quantized layers before it produce them); plain rounding needs no data.  Nothing is
+    the quantized layers before it produce them), replaying one calibration chunk at a time
+    (``algorithms.recompute``); plain rounding needs no data.  Nothing is
     evaluated (that needs the whole model: ``lowbit eval OUT --reference MODEL``).
     ``options`` (or its fields as keywords): :class:`ShipOptions`; ``options.device``: each
     decoder layer is moved there for its pass (a GPU, while the model stays on disk and in CPU
@@ -143,6 +144,7 @@ def quantize_streaming(model: str, recipe: str, out: Path, options: ShipOptions 
     o = _options(options, overrides)
     out = Path(out)
     r = _checked_recipe(recipe, out, o.force)
+    r = replace(r, algorithms=replace(r.algorithms, recompute=True))  # one calibration chunk's activations at a time
     m, tok, info = load_model(model, cache=o.cache, lazy=True, dtype=o.run_dtype)
     _refuse_dead_rules(m, r)
     calib = None
