@@ -44,6 +44,36 @@ def test_parse_base_log_and_garbage():
         L.parse_perplexity("error: failed to load model\n")
 
 
+@pytest.mark.parametrize("first_rc, calls", [(-11, 2), (0, 1), (1, 1)])
+def test_a_crashed_run_is_repeated_once_without_repacking(tmp_path, monkeypatch, first_rc, calls):
+    """llama.cpp's repacked CPU kernels crash (SIGSEGV) on some machines (AMX CPUs in a 2-vCPU VM): a run
+    killed by a signal is repeated once with ``--no-repack``, and the log's command line says so; an
+    ordinary failure is not repeated."""
+    import subprocess
+    from types import SimpleNamespace
+
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(list(cmd))
+        rc = first_rc if len(seen) == 1 else 0
+        return SimpleNamespace(returncode=rc, stdout="Final estimate: PPL = 15.0 +/- 0.5\n" if rc == 0 else "",
+                               stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(L, "find_llama_cpp", lambda: tmp_path / "llama-perplexity")
+    log = tmp_path / "run.log"
+    args = (tmp_path / "m.gguf", tmp_path / "t.txt", 256, 4, tmp_path / "b.kld")
+    if first_rc > 0:
+        with pytest.raises(RuntimeError, match="exit 1"):
+            L._run_perplexity(*args, write_base=True, threads=2, log_path=log)
+    else:
+        assert L._run_perplexity(*args, write_base=True, threads=2, log_path=log).figures["ppl"] == 15.0
+    assert len(seen) == calls
+    assert ("--no-repack" in seen[-1]) == (calls == 2) == ("--no-repack" in log.read_text().splitlines()[0])
+    assert "--no-repack" not in seen[0]
+
+
 def test_base_tokens_header(tmp_path):
     toks = np.arange(2 * 8, dtype=np.int32)
     p = tmp_path / "base.kld"
