@@ -142,8 +142,8 @@ def _run_perplexity(model: Path, text: Path, ctx: int, chunks: int, base: Path, 
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode < 0:  # killed by a signal: seen in the repacked (AMX) kernels on a 2-vCPU VM; once, unrepacked
-        proc = subprocess.run(cmd + ["--no-repack"], capture_output=True, text=True)
-        cmd.append("--no-repack")  # the log's command line says so
+        cmd.append("--no-repack")  # and the log's command line says so
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     log_path.write_text(" ".join(cmd) + "\n" + log)
     if proc.returncode:
