@@ -2,12 +2,15 @@
 
 One real decoder layer (default: SmolLM2-135M layer 10) with its float inputs from the
 calibration windows, int4 g64 symmetric round-to-nearest as the start, the float layer's outputs
-as targets.  For each configuration (torch threads × windows per step × compute dtype) the same
+as targets.  For each configuration (torch threads × windows per step × compute dtype, and the
+fused or generic symmetric-integer rounding) the same
 ``optimize_rounding`` runs for the same number of *window passes* (steps × batch); the script prints
 seconds per window pass, the ratio to the first configuration, and the block-output MSE reached on
 the training windows in fp32 (relative to the start), so a faster setting that trains worse shows it.
 
     PYTHONPATH=src .venv/bin/python benchmarks/roundopt_step.py --passes 64 --json out.json
+    PYTHONPATH=src .venv/bin/python benchmarks/roundopt_step.py --windows 64 --passes 320 \
+        --configs 2:4:bf16:generic,2:4:bf16,2:4:bf16:generic,2:4:bf16
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from lowbit.evaluation.workbench import Workbench  # noqa: E402
 from lowbit.models.arch import decoder_layers  # noqa: E402
 from lowbit.numerics.qtensor import dequantize, quantize  # noqa: E402
 from lowbit.numerics.scheme import PRESETS  # noqa: E402
-from lowbit.quantization.algorithms import optimize_rounding  # noqa: E402
+from lowbit.quantization.algorithms import LearnedRounding, optimize_rounding  # noqa: E402
 from lowbit.quantization.layerwise import capture_inputs  # noqa: E402
 
 
@@ -44,7 +47,8 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=16, help="training windows (x 512 tokens)")
     ap.add_argument("--passes", type=int, default=64, help="window passes per configuration (steps x batch)")
     ap.add_argument("--configs", default="1:1:fp32,2:1:fp32,1:8:fp32,2:8:fp32,2:8:bf16",
-                    help="threads:batch:dtype, comma-separated; the first is the ratio's base")
+                    help="threads:batch:dtype[:generic], comma-separated; the first is the ratio's base; "
+                         "':generic' turns off the fused symmetric-integer rounding (LearnedRounding.use_fused)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -75,8 +79,9 @@ def main() -> int:
 
     rows = []
     for spec in args.configs.split(","):
-        threads, batch, dtype = spec.split(":")
+        threads, batch, dtype, *path = spec.split(":")
         threads, batch = int(threads), int(batch)
+        LearnedRounding.use_fused = path != ["generic"]
         steps = max(1, args.passes // batch)
         batches = list(zip(x_all.split(batch), t_all.split(batch)))
         amp = dtype == "bf16"
@@ -98,7 +103,8 @@ def main() -> int:
             final = {n: dequantize(q, weights[n].dtype) for n, q in res.qtensors.items()}
             fp32 = sum(float(torch.nn.functional.mse_loss(fp32_forward(final, x), t, reduction="sum"))
                        for x, t in batches) / t_all.numel()
-        row = {"config": spec, "threads": threads, "batch": batch, "dtype": dtype, "steps": steps,
+        row = {"config": spec, "threads": threads, "batch": batch, "dtype": dtype, "fused": LearnedRounding.use_fused,
+               "steps": steps,
                "passes": steps * batch, "wall_s": wall, "loss_check_s": check, "s_per_pass": wall / (steps * batch),
                "loss_init_fp32": loss0, "loss_final_fp32": fp32, "rel": fp32 / loss0}
         rows.append(row)

@@ -60,6 +60,41 @@ def test_no_layer_ends_above_its_start_and_the_weights_are_the_qtensors(caplog, 
         assert torch.equal(mods[n].weight, dequantize(qt, mods[n].weight.dtype)), n
 
 
+@pytest.mark.parametrize("batch", [4, 2])
+def test_outputs_taken_from_the_final_check_are_the_recomputed_ones(caplog, monkeypatch, batch):
+    """Where the final loss check chose the result, the layer's outputs on the training windows are
+    taken from it, not computed again: the run is the recomputing run bit for bit (the next layer's
+    start and training losses, every code and scale).  With training batches of 2 windows and input
+    chunks of 4 nothing is a whole chunk and everything is computed again."""
+    import lowbit.quantization.roundpass as rp
+
+    caplog.set_level(logging.INFO, logger="lowbit.quantization.roundpass")
+    recipe = _recipe(gptq={}, round_opt={"steps": 8, "windows": 8, "batch": batch, "lr": 0.05})
+    seen = []
+    real = rp.A.optimize_rounding
+
+    def spy(*args, **kw):
+        result = real(*args, **kw)
+        seen.append(result.outputs is not None)
+        return result
+
+    monkeypatch.setattr(rp.A, "optimize_rounding", spy)
+    runs = []
+    for reuse in (True, False):
+        monkeypatch.setattr(rp.LayerRounding, "reuse_outputs", reuse)
+        caplog.clear()
+        model, state = _run(recipe, n=12)
+        runs.append((_LOSS.findall(caplog.text), state.weights, dict(model.named_parameters())))
+    assert seen[2:] == [False, False]                       # not asked for, not kept
+    if batch == 4:
+        assert seen[:2] == [True, True]                     # the final check chose both layers' result
+    (loss_a, qa, pa), (loss_b, qb, pb) = runs
+    assert loss_a == loss_b and len(loss_a) == 2
+    for n, qt in qa.items():
+        assert torch.equal(qt.codes, qb[n].codes) and torch.equal(qt.scale, qb[n].scale), n
+    assert all(torch.equal(p, pb[n]) for n, p in pa.items())
+
+
 def test_qtensors_are_dropped_when_not_kept():
     model = wide_llama().requires_grad_(False)
     state = quantize(model, _recipe(round_opt={"steps": 2, "windows": 2}), token_windows(4, 16), progress=False)

@@ -90,6 +90,10 @@ class LayerRounding:
     """Learned rounding over a run: the training windows (and, for ``target: float``, their
     float stream through the layers) and one layer's work at a time."""
 
+    #: take the layer's outputs on the training windows from the final loss check where it
+    #: chose the result (bit for bit what computing them again gives; a switch for the test)
+    reuse_outputs = True
+
     def __init__(self, cfg: RoundOptConfig, inputs: list[torch.Tensor]) -> None:
         self.cfg = cfg
         self.float_in = [x.clone() for x in _batches(inputs, cfg.windows, cfg.batch)] if cfg.target == "float" else None
@@ -141,7 +145,9 @@ class LayerRounding:
             result = A.optimize_rounding(forward, weights, {n: state.weights[n] for n in weights}, saved["batches"],
                                          steps=cfg.steps, lr=cfg.lr, clip_lr=cfg.clip_lr, learn_clip=cfg.learn_clip,
                                          clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads,
-                                         compute=compute_dtype(cfg.compute, next(iter(weights.values())).device))
+                                         compute=compute_dtype(cfg.compute, next(iter(weights.values())).device),
+                                         keep_outputs=self.reuse_outputs and all(
+                                             weights[n].dtype == modules[n].weight.dtype for n in weights))
         finally:
             for p, flag in grads:
                 p.requires_grad_(flag)
@@ -154,8 +160,14 @@ class LayerRounding:
         self.losses.append((result.loss_init, result.loss_final))
         log.info("layer %d learned rounding: block-output MSE %.4g → %.4g (%d steps)", i, result.loss_init,
                  result.loss_final, result.steps)
+        # the final check's outputs, where it chose the result and a training batch is a whole input
+        # chunk: what the layer computes on that chunk with the weights just written (the same values)
+        done = {} if result.outputs is None else {
+            (x.data_ptr(), tuple(x.shape)): y for (x, _), y in zip(saved.pop("batches"), result.outputs)}
         ins, outputs = saved.pop("inputs"), []
         while ins:  # each input chunk is released as its output is made
-            outputs.append(_out(layer(ins.pop(0), **kwargs)))
+            x = ins.pop(0)
+            y = done.pop((x.data_ptr(), tuple(x.shape)), None)
+            outputs.append(_out(layer(x, **kwargs)) if y is None else y)
         self.seconds += time.perf_counter() - t0
         return outputs

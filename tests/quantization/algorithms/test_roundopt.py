@@ -203,3 +203,41 @@ def test_on_a_decoder_layer_of_a_tiny_llama():
     res = optimize_rounding(forward, weights, inits, batches, steps=40, lr=0.05, checks=2)
     assert res.loss_final <= res.loss_init
     assert res.improved, (res.loss_init, res.loss_final)
+
+
+@pytest.mark.parametrize("name", ["int4-g64", "int2-g64", "int4-g64-signed", "int8-channel", "int4-g128"])
+@pytest.mark.parametrize("start", ["min-max", "gptq"])
+def test_the_fused_symmetric_integer_path_is_the_generic_one(name, start):
+    """Symmetric integers take one fused autograd function; moved off the start (offsets and clip
+    factors), it gives the generic composition's weights bit for bit, the same offset gradients
+    bit for bit, and the clip factors' gradients to rounding (the same terms summed in another order)."""
+    w = _w(seed=3)
+    init = _inits(w, name)[start]
+    anchor = dequantize(init, torch.float32) if start == "gptq" else w
+    fused, generic = LearnedRounding(anchor, init), LearnedRounding(anchor, init)
+    assert fused.fused
+    generic.fused = False
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        move = (torch.rand(fused.offset.shape, generator=g) - 0.5) * 0.9
+        clip = 0.6 + 0.4 * torch.rand(fused.alpha.shape, generator=g)
+        for r in (fused, generic):
+            r.offset.copy_(move)
+            r.alpha.copy_(clip)
+    upstream = torch.randn(w.shape, generator=g)
+    outs = []
+    for r in (fused, generic):
+        out = r.weight()
+        (out * upstream).sum().backward()
+        outs.append(out.detach())
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], dequantize(init, torch.float32))  # the move changed codes and scales
+    assert torch.equal(fused.offset.grad, generic.offset.grad)
+    assert torch.allclose(fused.alpha.grad, generic.alpha.grad, rtol=1e-4, atol=1e-6 * generic.alpha.grad.abs().max())
+    assert fused.qtensor().values().equal(generic.qtensor().values())
+
+
+def test_other_formats_keep_the_generic_path():
+    w = _w()
+    for name in ("int4-g64-asym", "mxfp4", "nvfp4", "fp8-block"):
+        assert not LearnedRounding(w, quantize(w, PRESETS[name])).fused, name

@@ -74,6 +74,35 @@ def _ste(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     return _PassThrough.apply(x, rounded)
 
 
+class _SymmetricIntFakeQuant(torch.autograd.Function):
+    """``q · s`` with ``q = clamp(round(W / s + v), min, max)``: a symmetric integer weight's
+    learned rounding in one function, five passes over the weight forward and four backward
+    (the generic path's composition of ops makes about twice as many).  The values are the
+    generic path's bit for bit; the gradients are the same straight-through ones: ``g · s``
+    for ``v`` (the same product), and for ``s`` the block sums of ``g · (q − W/s)`` (what
+    the generic path's two terms, ``g · q`` from the product and ``−g · s · W/s²`` from the
+    division, add up to, summed in another order).  A zero scale (an all-zero block) gives
+    zeros, as there."""
+
+    @staticmethod
+    def forward(ctx, wb, s, v, lo: float, hi: float):
+        safe = torch.where(s != 0, s, torch.full_like(s, float("inf")))
+        y = wb / safe
+        q = torch.round(y + v).clamp_(lo, hi)              # torch.round: half to even, as Format.round
+        ctx.save_for_backward(s, q, y)
+        return q * s
+
+    @staticmethod
+    def backward(ctx, g):
+        s, q, y = ctx.saved_tensors
+        grad_s = grad_v = None
+        if ctx.needs_input_grad[2]:
+            grad_v = g * s
+        if ctx.needs_input_grad[1]:
+            grad_s = (g * (q - y)).sum(dim=(1, 3), keepdim=True)
+        return None, grad_s, grad_v, None, None
+
+
 def _grid_step(y: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     """The element format's grid spacing at ``|y|`` (detached): 1 for integers; for a
     minifloat with ``m`` mantissa bits ``2^(max(⌊log2|y|⌋, 1 − bias) − m)``, clamped to the
@@ -94,6 +123,10 @@ class LearnedRounding:
     ``requires_grad``; :meth:`weight` is differentiable in them; :meth:`qtensor` gives
     the codes and scales they stand for.
     """
+
+    #: symmetric integer schemes take :class:`_SymmetricIntFakeQuant` (off: the generic path, for
+    #: ``benchmarks/roundopt_step.py``'s side-by-side timing)
+    use_fused = True
 
     def __init__(self, w: torch.Tensor, init: QTensor, *, learn_clip: bool = True, clip_min: float = 0.5) -> None:
         scheme = init.scheme
@@ -122,7 +155,8 @@ class LearnedRounding:
             z0 = init.zero.to(torch.float32)[:, None, :, None]
             self.lo0, self.hi0 = (fmt.min - z0) * self.s0, (fmt.max - z0) * self.s0
         y0 = self._y(self.s0)
-        rtn = torch.equal(quantize(w.detach().to(torch.float32), scheme, init.qparams).values(), init.values())
+        self.rtn = rtn = torch.equal(quantize(w.detach().to(torch.float32), scheme, init.qparams).values(),
+                                     init.values())
         if rtn:                                              # AdaRound's space: floor or ceil of y
             self.v0, self.radius = torch.zeros((), device=w.device), 0.5
         else:                                                # start on the given codes, ±1 step
@@ -134,6 +168,8 @@ class LearnedRounding:
         nb = self.s0.shape
         self.alpha = torch.ones(nb, device=dev, requires_grad=learn_clip)
         self.beta = None if scheme.symmetric else torch.ones(nb, device=dev, requires_grad=learn_clip)
+        # symmetric integers without a global scale take the fused path (same values, half the passes)
+        self.fused = self.use_fused and fmt.kind == "int" and scheme.symmetric and self.div is None
 
     # -- the forward ----------------------------------------------------------------------
 
@@ -178,6 +214,13 @@ class LearnedRounding:
 
     def weight(self) -> torch.Tensor:
         """The quantized weight ``(code − zero) · scale`` in the weight's shape, differentiable."""
+        if self.fused:
+            s, _ = self._scale_zero()
+            v = self.offset if self.rtn else self.v0 + self.offset     # v0 is 0 in AdaRound's space
+            fmt = self.scheme.format
+            out = unblocked(_SymmetricIntFakeQuant.apply(self.wb, s, v, float(fmt.min), float(fmt.max)),
+                            self.rows, self.cols)
+            return from_matrix_view(out, self.shape, self.scheme.granularity)
         q, s, z = self._values()
         if z is not None:
             q = q - z
@@ -222,12 +265,14 @@ class LearnedRounding:
 class RoundingResult:
     """What :func:`optimize_rounding` returns: the chosen QTensors (the initial objects
     themselves when nothing beat them), the mean-squared block-output error over every
-    training batch at the start and for the result, and the steps run."""
+    training batch at the start and for the result, the steps run, and (``keep_outputs``) the
+    block's outputs on each batch with the result's weights, when the final check chose it."""
 
     qtensors: dict[str, QTensor]
     loss_init: float
     loss_final: float
     steps: int
+    outputs: list[torch.Tensor] | None = None  # keep_outputs: the block's outputs on the batches, when kept
 
     @property
     def improved(self) -> bool:
@@ -248,6 +293,7 @@ def optimize_rounding(
     checks: int = 2,
     threads: int = 0,
     compute: torch.dtype | None = None,
+    keep_outputs: bool = False,
 ) -> RoundingResult:
     """Tune the rounding of ``weights`` jointly so that ``forward`` (a block: a decoder layer)
     with the quantized weights reproduces the targets (SignRound, Cheng et al. §3).
@@ -275,6 +321,10 @@ def optimize_rounding(
             (``torch.bfloat16``: matmuls in bf16, the weights' rounding and the loss in fp32);
             None: the weights' own.  The loss checks, and so the choice of the result, are
             always computed in the weights' dtype: what is kept is judged as it is stored.
+        keep_outputs: the final check runs on the stored weights (``dequantize`` of the
+            QTensors: the same values) and keeps ``forward``'s outputs; when that check
+            chose the result they are returned (``outputs``), so that a caller that needs
+            the block's outputs on these batches need not compute them again.
 
     Returns:
         :class:`RoundingResult`.
@@ -286,19 +336,24 @@ def optimize_rounding(
     if not batches:
         raise ValueError("optimize_rounding: no training batches")
     with torch_threads(threads):
-        return _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks, compute)
+        return _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks, compute,
+                         keep_outputs)
 
 
 def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, clip_min, checks,
-              compute) -> RoundingResult:
+              compute, keep_outputs) -> RoundingResult:
     names = list(weights)
     dtypes = {n: weights[n].dtype for n in names}
     device = next(iter(weights.values())).device.type
 
-    def full_loss(ws: dict[str, torch.Tensor]) -> float:
+    def full_loss(ws: dict[str, torch.Tensor], keep: list | None = None) -> float:
+        total = 0.0
         with torch.no_grad():
-            total = sum(float(torch.nn.functional.mse_loss(forward(ws, x).float(), t.float(), reduction="sum"))
-                        for x, t in batches)
+            for x, t in batches:
+                y = forward(ws, x)
+                total += float(torch.nn.functional.mse_loss(y.float(), t.float(), reduction="sum"))
+                if keep is not None:
+                    keep.append(y)
         return total / sum(t.numel() for _, t in batches)
 
     loss0 = full_loss({n: dequantize(inits[n], dtypes[n]) for n in names})
@@ -308,7 +363,7 @@ def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, 
     clip_lr = lr / 10 if clip_lr is None else clip_lr
     rounding = {n: LearnedRounding(weights[n], inits[n], learn_clip=learn_clip, clip_min=clip_min) for n in names}
     at = {round(steps * k / checks) for k in range(1, checks + 1)}
-    best, best_loss = None, loss0
+    best, best_loss, kept = None, loss0, None
     with torch.enable_grad():
         for t in range(steps):
             x, target = batches[t % len(batches)]
@@ -321,10 +376,14 @@ def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, 
             for r in rounding.values():
                 r.sign_step(lr * decay, clip_lr * decay)
             if t + 1 in at:
+                last = keep_outputs and t + 1 == steps
+                outputs = [] if last else None
                 with torch.no_grad():
-                    current = full_loss({n: r.weight().to(dtypes[n]) for n, r in rounding.items()})
+                    current = full_loss({n: dequantize(r.qtensor(), dtypes[n]) if last else r.weight().to(dtypes[n])
+                                         for n, r in rounding.items()}, outputs)
                 if current < best_loss:
                     best, best_loss = {n: r.snapshot() for n, r in rounding.items()}, current
+                    kept = outputs
     if best is None:
         log.info("learned rounding: no check beat the start (%.4g); the initial quantization is kept", loss0)
         return RoundingResult(dict(inits), loss0, loss0, steps)
@@ -333,4 +392,4 @@ def _optimize(forward, weights, inits, batches, steps, lr, clip_lr, learn_clip, 
     out = {n: r.qtensor() for n, r in rounding.items()}
     if not math.isfinite(best_loss):
         raise FloatingPointError("learned rounding: the block-output loss is not finite")
-    return RoundingResult(out, loss0, best_loss, steps)
+    return RoundingResult(out, loss0, best_loss, steps, kept)
