@@ -141,13 +141,17 @@ class LayerRounding:
         grads = [(p, p.requires_grad) for p in layer.parameters()]
         for p, _ in grads:
             p.requires_grad_(False)
+        # the final check's outputs can stand for the layer's outputs where a training batch is a whole
+        # input chunk and the check's weights have the layer's dtype; only then are they kept
+        chunks = {(x.data_ptr(), tuple(x.shape)) for x in saved["inputs"]}
+        keep = (self.reuse_outputs and all(weights[n].dtype == modules[n].weight.dtype for n in weights)
+                and any((x.data_ptr(), tuple(x.shape)) in chunks for x, _ in saved["batches"]))
         try:
             result = A.optimize_rounding(forward, weights, {n: state.weights[n] for n in weights}, saved["batches"],
                                          steps=cfg.steps, lr=cfg.lr, clip_lr=cfg.clip_lr, learn_clip=cfg.learn_clip,
                                          clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads,
                                          compute=compute_dtype(cfg.compute, next(iter(weights.values())).device),
-                                         keep_outputs=self.reuse_outputs and all(
-                                             weights[n].dtype == modules[n].weight.dtype for n in weights))
+                                         keep_outputs=keep)
         finally:
             for p, flag in grads:
                 p.requires_grad_(flag)
@@ -160,10 +164,11 @@ class LayerRounding:
         self.losses.append((result.loss_init, result.loss_final))
         log.info("layer %d learned rounding: block-output MSE %.4g → %.4g (%d steps)", i, result.loss_init,
                  result.loss_final, result.steps)
-        # the final check's outputs, where it chose the result and a training batch is a whole input
-        # chunk: what the layer computes on that chunk with the weights just written (the same values)
+        # the final check's outputs, where it chose the result, on whole input chunks: what the layer
+        # computes on that chunk with the weights just written (the same values)
         done = {} if result.outputs is None else {
-            (x.data_ptr(), tuple(x.shape)): y for (x, _), y in zip(saved.pop("batches"), result.outputs)}
+            k: y for (x, _), y in zip(saved.pop("batches"), result.outputs)
+            if (k := (x.data_ptr(), tuple(x.shape))) in chunks}
         ins, outputs = saved.pop("inputs"), []
         while ins:  # each input chunk is released as its output is made
             x = ins.pop(0)
