@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-vllm bench clean lmeval-venv test-lmeval bench-tasks vllm llama-cpp llama-cpp-locked test-llamacpp
+.PHONY: setup demo test test-fast test-vllm bench clean lmeval-venv test-lmeval bench-tasks vllm llama-cpp llama-cpp-locked test-llamacpp peers-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -120,5 +120,28 @@ test-lmeval: setup lmeval-venv
 bench-tasks: lmeval-venv
 	PYTHONPATH=src $(LMEVAL)/bin/python benchmarks/tasks_speed.py --limit 50
 
+# The peers of benchmarks/vs_llmcompressor.py and benchmarks/vs_peers.py (issues 6 and 18), each in a venv of
+# its own, torch 2.13.0 first and held there: llm-compressor 0.14.0.1 (it brings AutoRound 0.15.1) and
+# GPTQModel 7.6.0 (7.7.0 needs a newer torch). The benchmarks look for them here unless told otherwise.
+LLMC_VENV      := .venv-llmc
+GPTQMODEL_VENV := .venv-gptqmodel
+
+$(LLMC_VENV)/.installed:
+	test -x $(LLMC_VENV)/bin/python || $(PY) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo torch==2.13.0 > $(LLMC_VENV)/pin.txt
+	$(LLMC_VENV)/bin/python -m pip install -q llmcompressor==0.14.0.1 -c $(LLMC_VENV)/pin.txt
+	$(LLMC_VENV)/bin/python -c "import llmcompressor, auto_round; print('auto-round', auto_round.__version__)"
+	touch $@
+
+$(GPTQMODEL_VENV)/.installed:
+	test -x $(GPTQMODEL_VENV)/bin/python || $(PY) -m venv $(GPTQMODEL_VENV)
+	$(GPTQMODEL_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo torch==2.13.0 > $(GPTQMODEL_VENV)/pin.txt
+	$(GPTQMODEL_VENV)/bin/python -m pip install -q gptqmodel==7.6.0 -c $(GPTQMODEL_VENV)/pin.txt
+	touch $@
+
+peers-venv: $(LLMC_VENV)/.installed $(GPTQMODEL_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) $(LMEVAL) $(VLLM_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(LMEVAL) $(VLLM_VENV) $(LLMC_VENV) $(GPTQMODEL_VENV) build src/*.egg-info

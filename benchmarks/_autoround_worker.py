@@ -1,7 +1,7 @@
 """AutoRound side of ``benchmarks/vs_peers.py`` (issue 18).
 
 Runs in a virtual environment that has auto-round (llm-compressor's venv has auto-round 0.15.1:
-``/tmp/llmc-venv``), never in lowbit's.  Loads the model in float32, quantizes it with one
+``.venv-llmc``, ``make peers-venv``), never in lowbit's.  Loads the model in float32, quantizes it with one
 configuration and one of AutoRound's recipes (``light``, ``default``, ``best``: the iteration
 counts and learning rates of AutoRound's own ``auto-round-light`` / ``auto-round`` /
 ``auto-round-best`` commands) on the calibration windows it is given, saves a
@@ -9,7 +9,7 @@ compressed-tensors checkpoint (AutoRound's ``llm_compressor`` export) and prints
 line: quantize wall seconds (``quantize_and_save``), peak RSS of the whole process (VmHWM)
 and the output folder.
 
-    /tmp/llmc-venv/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
+    .venv-llmc/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
 
 The protocol fixes the calibration set (128 windows × 512 tokens), so ``best`` runs AutoRound's
 1000 iterations on those 128 windows, not on the 512 samples of 2048 tokens its command takes.

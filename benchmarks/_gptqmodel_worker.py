@@ -1,6 +1,6 @@
 """GPTQModel side of ``benchmarks/vs_peers.py`` (issue 18).
 
-Runs in GPTQModel's own virtual environment (``/tmp/gptqmodel-venv``; on a 2-core machine it
+Runs in GPTQModel's own virtual environment (``.venv-gptqmodel``, ``make peers-venv``; on a 2-core machine it
 needs ``GPTQMODEL_CPU_WORKERS=2``, which ``vs_peers.py`` sets), never in lowbit's.  Quantizes the
 model with GPTQModel's GPTQ on the calibration windows it is given — ``default``: GPTQModel's
 own defaults for everything but bits / group size / symmetry, which in 7.6.0 means
@@ -16,7 +16,7 @@ kernel's widest dtype); the GPTQ checkpoint stays
 beside it (``OUT.gptq``).  The time reported is ``quantize`` alone; the peak RSS is the whole
 process's (VmHWM) before the reload.
 
-    GPTQMODEL_CPU_WORKERS=2 /tmp/gptqmodel-venv/bin/python benchmarks/_gptqmodel_worker.py \\
+    GPTQMODEL_CPU_WORKERS=2 .venv-gptqmodel/bin/python benchmarks/_gptqmodel_worker.py \\
         w4a16-g64-sym:default MODEL_DIR CALIB.safetensors OUT
 
 Nothing from lowbit is imported here, and nothing here is part of lowbit.

@@ -6,7 +6,7 @@ windows it is given, saves a compressed-tensors checkpoint (``save_compressed=Tr
 and prints one JSON line: quantize wall seconds (``oneshot`` only), peak RSS of the
 whole process (VmHWM) and the output folder.
 
-    /tmp/llmc-venv/bin/python benchmarks/_llmc_worker.py CONFIG MODEL_DIR CALIB.safetensors OUT_DIR
+    .venv-llmc/bin/python benchmarks/_llmc_worker.py CONFIG MODEL_DIR CALIB.safetensors OUT_DIR
 
 Nothing from lowbit is imported here, and nothing here is part of lowbit.
 """

@@ -3,10 +3,8 @@
 llm-compressor runs in its own virtual environment (it pins older transformers), never as
 a lowbit dependency::
 
-    python3 -m venv /tmp/llmc-venv
-    /tmp/llmc-venv/bin/pip install torch==2.13.0
-    /tmp/llmc-venv/bin/pip install llmcompressor==0.14.0.1
-    .venv/bin/python benchmarks/export_vs_llmcompressor.py --llmc-python /tmp/llmc-venv/bin/python
+    make peers-venv   # .venv-llmc: torch 2.13.0, then llmcompressor 0.14.0.1
+    .venv/bin/python benchmarks/export_vs_llmcompressor.py
 
 Both sides quantize the packaged SmolLM2-135M by round-to-nearest (llm-compressor's
 ``QuantizationModifier``; lowbit's pipeline) and write bf16 checkpoints; the script prints,
@@ -73,7 +71,7 @@ def compare(ours: dict, theirs: dict) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llmc-python", default="/tmp/llmc-venv/bin/python")
+    ap.add_argument("--llmc-python", default=str(Path(__file__).resolve().parent.parent / ".venv-llmc" / "bin" / "python"))
     ap.add_argument("--model", default=str(Path.home() / ".cache/lowbit/models/smollm2-135m"))
     ap.add_argument("--work", type=Path, default=None, help="keep both checkpoints here")
     ap.add_argument("--json", type=Path, default=None, help="write the comparison here")

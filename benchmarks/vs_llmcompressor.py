@@ -42,9 +42,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_LLMC_PYTHON = "/tmp/llmc-venv/bin/python"
-LLMC_VENV_HELP = ("python3 -m venv /tmp/llmc-venv && /tmp/llmc-venv/bin/pip install torch==2.13.0 && "
-                  "/tmp/llmc-venv/bin/pip install llmcompressor==0.14.0.1")
+DEFAULT_LLMC_PYTHON = str(HERE.parent / ".venv-llmc" / "bin" / "python")
+LLMC_VENV_HELP = "make peers-venv   # .venv-llmc: torch 2.13.0, then llmcompressor 0.14.0.1"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,9 @@ runs in its own process and reports its quantization wall time and peak RSS (VmH
   with neither; dequantized by GPTQModel's own kernel to a float checkpoint, read back the same way.
 
 Rows are weight formats (``--rows``); every side that supports a row runs on it (``--sides``).
-No peer code is imported into lowbit or copied here; a missing venv skips that peer with the
-command that creates it.
+No peer code is imported into lowbit or copied here; the peers' venvs come from ``make peers-venv``
+(``--autoround-python`` / ``--gptqmodel-python`` point elsewhere); a missing venv skips that peer with
+the command that creates it.
 
     .venv/bin/python benchmarks/vs_peers.py --rows w4a16-g64-sym --sides lowbit,autoround:light --json out.json
 """
@@ -33,13 +34,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_llmcompressor import LLMC_VENV_HELP, _row_dict, _run, prepare  # noqa: E402
+from vs_llmcompressor import DEFAULT_LLMC_PYTHON, LLMC_VENV_HELP, _row_dict, _run, prepare  # noqa: E402
 
-AUTOROUND_PYTHON = "/tmp/llmc-venv/bin/python"
+AUTOROUND_PYTHON = DEFAULT_LLMC_PYTHON
 AUTOROUND_HELP = LLMC_VENV_HELP + "   # llm-compressor brings auto-round 0.15.1"
-GPTQMODEL_PYTHON = "/tmp/gptqmodel-venv/bin/python"
-GPTQMODEL_HELP = ("python3 -m venv /tmp/gptqmodel-venv && /tmp/gptqmodel-venv/bin/pip install torch==2.13.0 && "
-                  "/tmp/gptqmodel-venv/bin/pip install gptqmodel==7.6.0 -c <(echo torch==2.13.0)")
+GPTQMODEL_PYTHON = str(HERE.parent / ".venv-gptqmodel" / "bin" / "python")
+GPTQMODEL_HELP = "make peers-venv   # .venv-gptqmodel: torch 2.13.0, then gptqmodel 7.6.0 held at that torch"
 
 
 @dataclasses.dataclass(frozen=True)
