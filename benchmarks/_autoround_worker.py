@@ -9,6 +9,12 @@ compressed-tensors checkpoint (AutoRound's ``llm_compressor`` export) and prints
 line: quantize wall seconds (``quantize_and_save``), peak RSS of the whole process (VmHWM)
 and the output folder.
 
+Where a group does not divide a Linear's input width (SmolLM2's 576 columns at g128), AutoRound
+tunes with a padded last group (``reshape_pad_tensor_by_group_size``: the ragged group lowbit and
+compressed-tensors define too) but its compressed-tensors packer refuses the shape; the worker
+then saves AutoRound's ``fake`` export (the dense quantized-dequantized weights) and checks that
+no group of any quantized Linear holds more than ``2**bits`` distinct values.
+
     .venv-llmc/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
 
 The protocol fixes the calibration set (128 windows × 512 tokens), so ``best`` runs AutoRound's
@@ -25,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peer_common import copy_tokenizer_files, parse_config, peak_rss_mib  # noqa: E402
+from _peer_common import copy_tokenizer_files, max_group_levels, parse_config, peak_rss_mib  # noqa: E402
 
 #: AutoRound's command-line recipes (auto_round/cli/main.py RECIPES), without their
 #: sequence length and sample count, which the protocol sets
@@ -64,9 +70,13 @@ def main() -> None:
     if hyper["lr"] is not None:
         kwargs["lr"] = hyper["lr"]
     out = Path(out_dir)
+    group = scheme.get("group_size")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    ragged = bool(group) and any(m.in_features % group for m in linears.values())
+    fmt = "fake" if ragged else "llm_compressor"
     t0 = time.perf_counter()
     ar = AutoRound(model, tokenizer=tok, **kwargs)
-    ar.quantize_and_save(str(out), format="llm_compressor")
+    ar.quantize_and_save(str(out), format=fmt)
     seconds = time.perf_counter() - t0
     if not (out / "config.json").exists():  # AutoRound writes into OUT/<model>-w<bits>g<group>/
         inner = [d for d in out.iterdir() if (d / "config.json").exists()]
@@ -76,9 +86,24 @@ def main() -> None:
             f.replace(out / f.name)
         inner[0].rmdir()
     copy_tokenizer_files(Path(model_dir), out)
+    extra = {}
+    if ragged:  # what was saved, every quantized Linear's weight, must lie on the grid
+        saved = {}
+        for f in out.glob("*.safetensors"):
+            saved.update(load_file(str(f)))
+        missing = [n for n in linears if f"{n}.weight" not in saved]
+        if missing:
+            raise SystemExit(f"AutoRound's fake export lacks {len(missing)} quantized weights, e.g. {missing[0]}")
+        levels = max(max_group_levels(saved[f"{n}.weight"], group) for n in linears)
+        if levels > 2 ** scheme["bits"]:
+            raise SystemExit(f"AutoRound's fake export: a group holds {levels} distinct values, more than "
+                             f"{2 ** scheme['bits']}: the weights are not on the grid")
+        extra = {"max_levels_per_group": levels,
+                 "note": f"AutoRound's fake export (group {group} does not divide every input width)"}
     print("PEER_RESULT " + json.dumps({"config": config, "recipe": recipe, "iters": iters, "quantize_seconds": seconds,
                                         "peak_mib": peak_rss_mib(), "out": str(out),
-                                        "autoround_kwargs": {k: v for k, v in kwargs.items() if k != "dataset"}}),
+                                        "autoround_kwargs": {k: v for k, v in kwargs.items() if k != "dataset"},
+                                        "format": fmt, **extra}),
           flush=True)
 
 

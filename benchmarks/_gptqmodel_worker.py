@@ -65,9 +65,7 @@ def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size
             w = w.t()
         if tuple(w.shape) != tuple(lin.weight.shape):
             raise SystemExit(f"{name}: dequantized shape {tuple(w.shape)} != {tuple(lin.weight.shape)}")
-        g = w.reshape(w.shape[0], -1, group_size)
-        levels = max(len(torch.unique(g[r, c])) for r in range(0, g.shape[0], max(1, g.shape[0] // 8))
-                     for c in range(g.shape[1]))
+        levels = max_group_levels(w, group_size)
         worst = max(worst, levels)
         if levels > 2 ** bits:
             raise SystemExit(f"{name}: a group has {levels} distinct values, more than {2 ** bits}")

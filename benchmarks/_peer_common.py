@@ -1,6 +1,6 @@
 """Small helpers shared by the peer workers (``_llmc_worker.py``, ``_autoround_worker.py``,
 ``_gptqmodel_worker.py``), which run in the peers' own virtual environments: standard library
-only, nothing from lowbit."""
+only (and torch, which every peer has), nothing from lowbit."""
 
 from __future__ import annotations
 
@@ -36,3 +36,17 @@ def parse_config(config: str, schemes: dict, variants: dict, tool: str) -> tuple
     if variant not in variants:
         raise SystemExit(f"unknown {tool} variant {variant!r}; choose from {', '.join(variants)}")
     return dict(schemes[scheme]), variant, dict(variants[variant])
+
+
+def max_group_levels(w, group_size: int) -> int:
+    """The most distinct values any group of ``group_size`` consecutive columns of one row of the
+    2-D weight ``w`` holds (a ragged last group counts its own columns): at most ``2**bits`` for
+    weights that really are on a ``bits``-bit grid, up to ``group_size`` for float weights."""
+    import torch
+
+    worst = 0
+    for c0 in range(0, w.shape[1], group_size):
+        g = torch.sort(w[:, c0:c0 + group_size].float(), dim=1).values
+        levels = 1 + (g[:, 1:] != g[:, :-1]).sum(dim=1)
+        worst = max(worst, int(levels.max()))
+    return worst

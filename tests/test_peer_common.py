@@ -1,0 +1,32 @@
+"""benchmarks/_peer_common.max_group_levels, the check that a peer's dense export (AutoRound's `fake`
+format, GPTQModel's dequantized weights) really lies on a ``bits``-bit grid, ragged last group included."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _peer_common import max_group_levels  # noqa: E402
+
+from lowbit.numerics.qtensor import dequantize, quantize  # noqa: E402
+from lowbit.numerics.scheme import get_scheme  # noqa: E402
+
+
+def test_a_weight_on_the_int4_g128_grid_has_at_most_16_levels_per_group_ragged_edge_included():
+    w = torch.randn(32, 576, generator=torch.Generator().manual_seed(0))   # 576 = 4 x 128 + 64
+    wq = dequantize(quantize(w, get_scheme("int4-g128-signed")))
+    assert max_group_levels(wq, 128) <= 16
+    assert max_group_levels(w, 128) == 128                                   # float weights: every value distinct
+
+
+def test_the_count_is_per_row_and_group_and_the_ragged_group_counts_its_own_columns():
+    w = torch.zeros(2, 576)
+    w[1, 512:529] = torch.arange(17.0)                  # 17 distinct values in the ragged group (64 columns)
+    assert max_group_levels(w, 128) == 17
+    assert max_group_levels(w[:, :512], 128) == 1
+    w[0, 100:300] = torch.arange(200.0)                 # spans groups 0 (28 values + zeros) and 1 (128 values)
+    assert max_group_levels(w, 128) == 128
+    w2 = torch.zeros(2, 256)
+    w2[0, :16], w2[1, :128] = torch.arange(16.0), 100 + torch.arange(128.0) % 16   # 32 values in the group, 16 per row
+    assert max_group_levels(w2, 128) == 16
