@@ -9,11 +9,12 @@ compressed-tensors checkpoint (AutoRound's ``llm_compressor`` export) and prints
 line: quantize wall seconds (``quantize_and_save``), peak RSS of the whole process (VmHWM)
 and the output folder.
 
-Where a group does not divide a Linear's input width (SmolLM2's 576 columns at g128), AutoRound
-tunes with a padded last group (``reshape_pad_tensor_by_group_size``: the ragged group lowbit and
-compressed-tensors define too) but its compressed-tensors packer refuses the shape; the worker
-then saves AutoRound's ``fake`` export (the dense quantized-dequantized weights) and checks that
-no group of any quantized Linear holds more than ``2**bits`` distinct values.
+AutoRound 0.15.1's compressed-tensors packer fails, after the first layer's tuning, in two cases:
+a group that does not divide a Linear's input width (SmolLM2's 576 columns at g128; AutoRound tunes
+with a padded last group, ``reshape_pad_tensor_by_group_size``, the ragged group lowbit and
+compressed-tensors define too) and asymmetric schemes (its zero points are not int8 when packed).
+There the worker saves AutoRound's ``fake`` export (the dense quantized-dequantized weights) and
+checks that no group of any quantized Linear holds more than ``2**bits`` distinct values.
 
     .venv-llmc/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
 
@@ -73,7 +74,8 @@ def main() -> None:
     group = scheme.get("group_size")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
     ragged = bool(group) and any(m.in_features % group for m in linears.values())
-    fmt = "fake" if ragged else "llm_compressor"
+    asym = scheme.get("sym") is False
+    fmt = "fake" if ragged or asym else "llm_compressor"
     t0 = time.perf_counter()
     ar = AutoRound(model, tokenizer=tok, **kwargs)
     ar.quantize_and_save(str(out), format=fmt)
@@ -87,7 +89,7 @@ def main() -> None:
         inner[0].rmdir()
     copy_tokenizer_files(Path(model_dir), out)
     extra = {}
-    if ragged:  # what was saved, every quantized Linear's weight, must lie on the grid
+    if fmt == "fake":  # what was saved, every quantized Linear's weight, must lie on the grid
         saved = {}
         for f in out.glob("*.safetensors"):
             saved.update(load_file(str(f)))
@@ -99,7 +101,8 @@ def main() -> None:
             raise SystemExit(f"AutoRound's fake export: a group holds {levels} distinct values, more than "
                              f"{2 ** scheme['bits']}: the weights are not on the grid")
         extra = {"max_levels_per_group": levels,
-                 "note": f"AutoRound's fake export (group {group} does not divide every input width)"}
+                 "note": "AutoRound's fake export (" + ("asymmetric zero points" if asym else
+                                                       f"group {group} does not divide every input width") + ")"}
     print("PEER_RESULT " + json.dumps({"config": config, "recipe": recipe, "iters": iters, "quantize_seconds": seconds,
                                         "peak_mib": peak_rss_mib(), "out": str(out),
                                         "autoround_kwargs": {k: v for k, v in kwargs.items() if k != "dataset"},
