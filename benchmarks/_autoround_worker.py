@@ -16,6 +16,11 @@ compressed-tensors define too) and asymmetric schemes (its zero points are not i
 There the worker saves AutoRound's ``fake`` export (the dense quantized-dequantized weights) and
 checks that no group of any quantized Linear holds more than ``2**bits`` distinct values.
 
+For MXFP4 and NVFP4 the weights are tuned with 16-bit activations (W4A16), but AutoRound's
+compressed-tensors export writes the W4A4 preset's config whatever the activations were
+(``export_to_fp.py`` builds it from the weight format alone), so the checkpoint declares 4-bit input
+activations; lowbit's evaluator judges its stored weights only, which is the W4A16 model that was tuned.
+
     .venv-llmc/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
 
 The protocol fixes the calibration set (128 windows × 512 tokens), so ``best`` runs AutoRound's
@@ -46,9 +51,10 @@ SCHEMES = {
     "w4a16-g128-sym": dict(scheme="W4A16", bits=4, group_size=128, sym=True),
     "w4a16-g128-asym": dict(scheme="W4A16", bits=4, group_size=128, sym=False),
     "w2a16-g64-sym": dict(scheme="W2A16G64", bits=2, group_size=64, sym=True),
-    # AutoRound's MXFP4 / NVFP4 presets quantize activations too; weights only here
-    "w4a16-mxfp4": dict(scheme="MXFP4", act_bits=16),
-    "w4a16-nvfp4": dict(scheme="NVFP4", act_bits=16),
+    # AutoRound's MXFP4 / NVFP4 presets quantize activations too, and an ``act_bits=16`` beside them is
+    # reset to 4 (their ``act_data_type`` wins); weights only here, so the activation type is unset too
+    "w4a16-mxfp4": dict(scheme="MXFP4", act_bits=16, act_data_type="float"),
+    "w4a16-nvfp4": dict(scheme="NVFP4", act_bits=16, act_data_type="float"),
 }
 
 
