@@ -2,8 +2,8 @@
 
 One real decoder layer (default: SmolLM2-135M layer 10) with its float inputs from the
 calibration windows, int4 g64 symmetric round-to-nearest as the start, the float layer's outputs
-as targets.  For each configuration (torch threads × windows per step × compute dtype, and the
-fused or generic symmetric-integer rounding) the same
+as targets (``--scheme``: another weight scheme, e.g. ``int4-g64-asym``).  For each configuration
+(torch threads × windows per step × compute dtype, and the fused or generic integer rounding) the same
 ``optimize_rounding`` runs for the same number of *window passes* (steps × batch); the script prints
 seconds per window pass, the ratio to the first configuration, and the block-output MSE reached on
 the training windows in fp32 (relative to the start), so a faster setting that trains worse shows it.
@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=64, help="window passes per configuration (steps x batch)")
     ap.add_argument("--configs", default="1:1:fp32,2:1:fp32,1:8:fp32,2:8:fp32,2:8:bf16",
                     help="threads:batch:dtype[:generic], comma-separated; the first is the ratio's base; "
-                         "':generic' turns off the fused symmetric-integer rounding (LearnedRounding.use_fused)")
+                         "':generic' turns off the fused integer rounding (LearnedRounding.use_fused)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 

@@ -205,12 +205,14 @@ def test_on_a_decoder_layer_of_a_tiny_llama():
     assert res.improved, (res.loss_init, res.loss_final)
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int2-g64", "int4-g64-signed", "int8-channel", "int4-g128"])
+@pytest.mark.parametrize("name", ["int4-g64", "int2-g64", "int4-g64-signed", "int8-channel", "int4-g128",
+                                  "int4-g64-asym", "int4-g128-asym"])
 @pytest.mark.parametrize("start", ["min-max", "gptq"])
-def test_the_fused_symmetric_integer_path_is_the_generic_one(name, start):
-    """Symmetric integers take one fused autograd function; moved off the start (offsets and clip
-    factors), it gives the generic composition's weights bit for bit, the same offset gradients
-    bit for bit, and the clip factors' gradients to rounding (the same terms summed in another order)."""
+def test_the_fused_integer_path_is_the_generic_one(name, start):
+    """Integers take one fused autograd function; moved off the start (offsets and clip factors),
+    it gives the generic composition's weights bit for bit, the same offset gradients bit for bit,
+    and the clip factors' gradients to rounding (the same terms summed in another order; for
+    asymmetric schemes the zero point's two terms cancel there and are left out here)."""
     w = _w(seed=3)
     init = _inits(w, name)[start]
     anchor = dequantize(init, torch.float32) if start == "gptq" else w
@@ -221,9 +223,12 @@ def test_the_fused_symmetric_integer_path_is_the_generic_one(name, start):
     with torch.no_grad():
         move = (torch.rand(fused.offset.shape, generator=g) - 0.5) * 0.9
         clip = 0.6 + 0.4 * torch.rand(fused.alpha.shape, generator=g)
+        clip_lo = None if fused.beta is None else 0.6 + 0.4 * torch.rand(fused.alpha.shape, generator=g)
         for r in (fused, generic):
             r.offset.copy_(move)
             r.alpha.copy_(clip)
+            if r.beta is not None:
+                r.beta.copy_(clip_lo)
     upstream = torch.randn(w.shape, generator=g)
     outs = []
     for r in (fused, generic):
@@ -233,11 +238,16 @@ def test_the_fused_symmetric_integer_path_is_the_generic_one(name, start):
     assert torch.equal(outs[0], outs[1])
     assert not torch.equal(outs[0], dequantize(init, torch.float32))  # the move changed codes and scales
     assert torch.equal(fused.offset.grad, generic.offset.grad)
-    assert torch.allclose(fused.alpha.grad, generic.alpha.grad, rtol=1e-4, atol=1e-6 * generic.alpha.grad.abs().max())
+    for a, b in ((fused.alpha, generic.alpha), (fused.beta, generic.beta)):
+        if b is not None:
+            assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6 * b.grad.abs().max())
+            assert b.grad.abs().max() > 0
     assert fused.qtensor().values().equal(generic.qtensor().values())
+    if fused.beta is not None:
+        assert fused.qtensor().zero.equal(generic.qtensor().zero)
 
 
 def test_other_formats_keep_the_generic_path():
     w = _w()
-    for name in ("int4-g64-asym", "mxfp4", "nvfp4", "fp8-block"):
+    for name in ("mxfp4", "nvfp4", "fp8-block"):
         assert not LearnedRounding(w, quantize(w, PRESETS[name])).fused, name

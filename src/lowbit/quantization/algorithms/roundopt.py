@@ -74,33 +74,37 @@ def _ste(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     return _PassThrough.apply(x, rounded)
 
 
-class _SymmetricIntFakeQuant(torch.autograd.Function):
-    """``q · s`` with ``q = clamp(round(W / s + v), min, max)``: a symmetric integer weight's
-    learned rounding in one function, five passes over the weight forward and four backward
-    (the generic path's composition of ops makes about twice as many).  The values are the
-    generic path's bit for bit; the gradients are the same straight-through ones: ``g · s``
-    for ``v`` (the same product), and for ``s`` the block sums of ``g · (q − W/s)`` (what
-    the generic path's two terms, ``g · q`` from the product and ``−g · s · W/s²`` from the
-    division, add up to, summed in another order).  A zero scale (an all-zero block) gives
-    zeros, as there."""
+class _IntFakeQuant(torch.autograd.Function):
+    """``(q − z) · s`` with ``q = clamp(round(W / s + v + z), min, max)`` (``z`` None for symmetric
+    schemes): an integer weight's learned rounding in one function, five passes over the weight
+    forward and four backward (the generic path's composition of ops makes about twice as many).
+    The values are the generic path's bit for bit; the gradients are the same straight-through
+    ones: ``g · s`` for ``v`` (the same product); for ``s`` the block sums of ``g · (q − z − W/s)``
+    (what the generic path's two terms, ``g · (q − z)`` from the product and ``−g · s · W/s²`` from
+    the division, add up to, summed in another order); for ``z`` zero (there ``−g · s`` from the
+    subtraction and ``+g · s`` through the rounding cancel exactly).  A zero scale (an all-zero
+    block) gives zeros, as there."""
 
     @staticmethod
-    def forward(ctx, wb, s, v, lo: float, hi: float):
+    def forward(ctx, wb, s, z, v, lo: float, hi: float):
         safe = torch.where(s != 0, s, torch.full_like(s, float("inf")))
         y = wb / safe
-        q = torch.round(y + v).clamp_(lo, hi)              # torch.round: half to even, as Format.round
+        u = y + v if z is None else y + v + z
+        q = torch.round(u).clamp_(lo, hi)                  # torch.round: half to even, as Format.round
+        if z is not None:
+            q = q - z
         ctx.save_for_backward(s, q, y)
         return q * s
 
     @staticmethod
     def backward(ctx, g):
-        s, q, y = ctx.saved_tensors
+        s, q, y = ctx.saved_tensors                        # q with the zero point taken off
         grad_s = grad_v = None
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[3]:
             grad_v = g * s
         if ctx.needs_input_grad[1]:
             grad_s = (g * (q - y)).sum(dim=(1, 3), keepdim=True)
-        return None, grad_s, grad_v, None, None
+        return None, grad_s, None, grad_v, None, None
 
 
 def _grid_step(y: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -124,7 +128,7 @@ class LearnedRounding:
     the codes and scales they stand for.
     """
 
-    #: symmetric integer schemes take :class:`_SymmetricIntFakeQuant` (off: the generic path, for
+    #: integer schemes take :class:`_IntFakeQuant` (off: the generic path, for
     #: ``benchmarks/roundopt_step.py``'s side-by-side timing)
     use_fused = True
 
@@ -168,8 +172,8 @@ class LearnedRounding:
         nb = self.s0.shape
         self.alpha = torch.ones(nb, device=dev, requires_grad=learn_clip)
         self.beta = None if scheme.symmetric else torch.ones(nb, device=dev, requires_grad=learn_clip)
-        # symmetric integers without a global scale take the fused path (same values, half the passes)
-        self.fused = self.use_fused and fmt.kind == "int" and scheme.symmetric and self.div is None
+        # integers without a global scale take the fused path (same values, half the passes)
+        self.fused = self.use_fused and fmt.kind == "int" and self.div is None
 
     # -- the forward ----------------------------------------------------------------------
 
@@ -215,10 +219,10 @@ class LearnedRounding:
     def weight(self) -> torch.Tensor:
         """The quantized weight ``(code − zero) · scale`` in the weight's shape, differentiable."""
         if self.fused:
-            s, _ = self._scale_zero()
+            s, z = self._scale_zero()
             v = self.offset if self.rtn else self.v0 + self.offset     # v0 is 0 in AdaRound's space
             fmt = self.scheme.format
-            out = unblocked(_SymmetricIntFakeQuant.apply(self.wb, s, v, float(fmt.min), float(fmt.max)),
+            out = unblocked(_IntFakeQuant.apply(self.wb, s, z, v, float(fmt.min), float(fmt.max)),
                             self.rows, self.cols)
             return from_matrix_view(out, self.shape, self.scheme.granularity)
         q, s, z = self._values()
