@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peer_common import copy_tokenizer_files, parse_config, peak_rss_mib  # noqa: E402
+from _peer_common import copy_tokenizer_files, max_group_levels, parse_config, peak_rss_mib  # noqa: E402
 
 SCHEMES = {
     "w4a16-g64-sym": dict(bits=4, group_size=64, sym=True),

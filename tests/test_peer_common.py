@@ -30,3 +30,27 @@ def test_the_count_is_per_row_and_group_and_the_ragged_group_counts_its_own_colu
     w2 = torch.zeros(2, 256)
     w2[0, :16], w2[1, :128] = torch.arange(16.0), 100 + torch.arange(128.0) % 16   # 32 values in the group, 16 per row
     assert max_group_levels(w2, 128) == 16
+
+
+def test_every_peer_worker_defines_every_global_name_its_functions_read():
+    """The workers run only in the peers' venvs, so a name used but never imported (GPTQModel's worker
+    once called max_group_levels without importing it, failing after its whole quantization) shows here."""
+    import ast
+    import builtins
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("_*_worker.py")):
+        tree = ast.parse(path.read_text())
+        defined = set(dir(builtins)) | {"__file__", "__name__"}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                defined.add(node.name)
+        read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        assert not read - defined, f"{path.name} reads names it never defines or imports: {sorted(read - defined)}"
