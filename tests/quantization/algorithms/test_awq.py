@@ -49,6 +49,22 @@ def test_matches_brute_force_over_alpha():
     assert _group_error(x, ws, s, G32) == pytest.approx(min(errs), rel=1e-5)
 
 
+@pytest.mark.parametrize("scheme", [G32_ASYM, PRESETS["nvfp4"]], ids=str)
+def test_gram_error_equals_the_products_error_in_float64(scheme):
+    """The search judges each α through XᵀX; that must be the products' own error."""
+    from lowbit.quantization.algorithms.awq import _output_error
+    x, ws = _salient(n=512, seed=5)
+    error = _output_error(x, ws)
+    s_x = x.abs().mean(0)
+    for alpha in (0.0, 0.4, 1.0):
+        s = s_x.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        q = [fake_quantize(w * s, scheme) for w in ws]
+        xd = x.double()
+        want = sum(float(((xd / s.double()) @ qk.double().T - xd @ w.double().T).pow(2).sum()) for qk, w in zip(q, ws))
+        assert error(s, q) == pytest.approx(want, rel=1e-5)
+
+
 def test_never_worse_than_rtn_even_without_salient_channels():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(128, 64, generator=g)
