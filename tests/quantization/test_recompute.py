@@ -105,3 +105,22 @@ def test_training_batches_equal_cat_then_split(sizes, n, batch):
         assert torch.equal(g, w)
     if sizes[0] % batch == 0 and n >= batch:  # a batch inside one input is a view, not a copy
         assert got[0].data_ptr() == inputs[0].data_ptr()
+
+
+def test_awq_runs_the_mlp_on_its_sampled_tokens_only_and_chooses_the_same_scales(monkeypatch):
+    """AWQ keeps one token in ``sample_every``; the MLP is per token, so running it on those
+    tokens only (balancing.SAMPLE_MLP) must give the scales that running it on all gives."""
+    from lowbit.quantization import balancing
+
+    runs = []
+    for sample in (False, True):
+        monkeypatch.setattr(balancing, "SAMPLE_MLP", sample)
+        model = wide_llama().requires_grad_(False)
+        rows = []
+        model.model.layers[0].mlp.gate_proj.register_forward_pre_hook(lambda m, a: rows.append(a[0].numel() // a[0].shape[-1]))
+        # 128 calibration tokens, 32 sampled: one in 4
+        state = quantize(model, _recipe("int4-g64-asym", False, awq={"tokens": 32, "clip": False}), token_windows(8, 16),
+                         keep_qtensors=True, progress=False)
+        runs.append((model, state, sum(rows)))
+    assert runs[0][2] == 128 + 128 and runs[1][2] == 32 + 128  # balancing's forward, then the layer pass
+    _same_state(runs[0][0], runs[0][1], runs[1][0], runs[1][1])

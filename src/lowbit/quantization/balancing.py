@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from . import algorithms as A
@@ -47,13 +48,20 @@ def expert_sample_every(model: nn.Module, sample_every: int, n_experts: int, see
     return max(1, sample_every * top_k // n_experts)
 
 
+#: AWQ on a dense layer runs the MLP on its sampled tokens only (a switch for the test that
+#: this gives the scales running it on every token gives)
+SAMPLE_MLP = True
+
+
 def balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, online, algo, sample_every,
                   prefix, expert_of=None, expert_every: int = 0) -> None:
     """SmoothQuant or AWQ for decoder layer ``i``: record its inputs' absmax (and AWQ's token
     sample) with the layer as it is, then move each balancing group's scales into the layer
     (function-preserving).  A dense layer stops at down_proj's input (the last Linear);
-    a MoE layer runs whole (every expert's down_proj is needed).  The statistics are
-    discarded: the layer's pass that follows records them again on the balanced layer.
+    a MoE layer runs whole (every expert's down_proj is needed).  For AWQ on a dense layer the
+    MLP runs only on the tokens AWQ samples (it is per token, so those tokens' inputs are what
+    running it on all of them gives; ``SAMPLE_MLP``).  The statistics are discarded: the
+    layer's pass that follows records them again on the balanced layer.
 
     ``expert_of``: MoE expert Linear → ``(experts module, index)``; ``expert_every``: the
     sampling stride of expert inputs (:func:`expert_sample_every`)."""
@@ -64,16 +72,33 @@ def balance_layer(model, i, arch, layer, inputs, kwargs, modules, plan, leader, 
     istats = {leader[names[0]]: InputStats() for _, _, _, names in groups if names[0] in leader}
     rot_only = {n: ActQuant(None, rotation=online[n]) for n in leader if n in online}
 
+    # AWQ on a dense layer: everything from the MLP's input on is computed per token, and AWQ keeps
+    # one token in `sample_every` of it, so the MLP runs on those tokens only (its Linears then keep all)
+    mlp = f"{prefix}.{arch.down}".rsplit(".", 1)[0]
+    sampled_mlp = (SAMPLE_MLP and arch.experts is None and algo.awq is not None and algo.smoothquant is None
+                   and sample_every > 1 and "." in arch.down)
+
+    sampled = {"now": False}  # whether the MLP running now got only the sampled tokens
+
+    def sample_mlp_input(mod, args):
+        sampled["now"] = bool(args) and isinstance(args[0], torch.Tensor)
+        if sampled["now"]:
+            return (args[0].reshape(-1, args[0].shape[-1])[::sample_every],) + tuple(args[1:])
+        return None
+
     def hook_for(n):
         every = expert_every if n in expert_of else sample_every
+        in_mlp = sampled_mlp and n.startswith(mlp + ".")
 
         def hook(mod, args):
             istats[n].add(args[0], absmax=algo.smoothquant is not None,
-                          sample_every=every if algo.awq is not None else 0)
+                          sample_every=(1 if in_mlp and sampled["now"] else every) if algo.awq is not None else 0)
         return hook
 
     with quantized_activations(model, rot_only):
         handles = [modules[n].register_forward_pre_hook(hook_for(n)) for n in istats]
+        if sampled_mlp:
+            handles.append(layer.get_submodule(mlp[len(prefix) + 1:]).register_forward_pre_hook(sample_mlp_input))
         if arch.experts is None:
             # down_proj is the last Linear to run: once its input is recorded, the rest of the
             # layer's work would be thrown away
