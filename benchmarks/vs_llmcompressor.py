@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import platform
 import re
@@ -127,6 +128,11 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: s
     from lowbit.quantization.recipe import load_recipe
     from lowbit.quantization.runtime import quantized_execution
 
+    # the calibration pipeline's per-stage seconds (balancing, pass, weights, learned rounding) go to
+    # stderr, which the parent keeps as this worker's log: where a side's time goes, from the timed run
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("lowbit.quantization.layerwise", "lowbit.quantization.roundpass"):
+        logging.getLogger(name).setLevel(logging.INFO)
     recipe = load_recipe(recipe_name)  # a preset, or a recipe YAML
     calib = load_file(calib_path)["input_ids"]
     layerwise = recipe.algorithms.layerwise

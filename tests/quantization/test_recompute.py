@@ -124,3 +124,54 @@ def test_awq_runs_the_mlp_on_its_sampled_tokens_only_and_chooses_the_same_scales
         runs.append((model, state, sum(rows)))
     assert runs[0][2] == 128 + 128 and runs[1][2] == 32 + 128  # balancing's forward, then the layer pass
     _same_state(runs[0][0], runs[0][1], runs[1][0], runs[1][1])
+
+
+@pytest.mark.parametrize("case, rounds_saved", [("gptq", 2), ("gptq-round-opt", 1)])
+def test_replay_hands_back_the_quantized_attention_instead_of_running_it(case, rounds_saved, monkeypatch):
+    """Once q/k/v/o are quantized, the attention's output on each chunk is kept from the round that
+    runs it in full and handed back in the rounds after (lowbit.quantization.replaycache): the same
+    state bit for bit as running it every round, with the attention run that many rounds less."""
+    from lowbit.quantization.replaycache import FrozenChildren
+
+    runs, q_runs = [], []
+    for enabled in (False, True):
+        monkeypatch.setattr(FrozenChildren, "enabled", enabled)
+        model = wide_llama().requires_grad_(False)
+        seen = []
+        hooks = [layer.self_attn.q_proj.register_forward_hook(lambda *a: seen.append(1)) for layer in model.model.layers]
+        state = quantize(model, _recipe(**CASES[case], recompute=True), token_windows(8, 16), keep_qtensors=True,
+                         progress=False)
+        for h in hooks:
+            h.remove()
+        runs.append((model, state))
+        q_runs.append(len(seen))
+    _same_state(*runs[0], *runs[1])
+    chunks, layers = 8 // 2, len(runs[0][0].model.layers)
+    # per layer the attention runs in the rounds that reach o, gate/up, down (and the outputs' round when the
+    # pass makes them); with the cache the rounds after gate/up's take it from there
+    assert q_runs[0] - q_runs[1] == rounds_saved * chunks * layers
+
+
+def test_a_child_called_twice_in_one_chunk_is_never_handed_back():
+    from torch import nn
+
+    from lowbit.quantization.replaycache import FrozenChildren
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inner(self.inner(x))
+
+    layer = Twice()
+    cache = FrozenChildren(layer, lambda c: {"g"}, {"g", "h"}, final_round=True)
+    cache.start_round({"g"})
+    x = torch.randn(2, 4)
+    with cache.chunk(0):
+        want = layer(x)
+    cache.start_round({"g", "h"})
+    with cache.chunk(0):
+        assert "forward" not in layer.inner.__dict__      # not patched: it ran twice when recorded
+        assert torch.equal(layer(x), want)

@@ -23,6 +23,7 @@ from .calibrate import CalibStats
 from .inputstats import InputStats
 from .kv import KVObserver, make_cache
 from .recipe import Algorithms
+from .replaycache import FrozenChildren
 from .runtime import ActQuant, QuantState
 from .targets import activation_plan, shared_global_scales
 from .weights import WeightMethod
@@ -152,6 +153,11 @@ class LayerPass:
             weight_seconds += time.perf_counter() - t
 
         replay = ctx.algo.recompute
+        frozen = None  # replay: outputs of children whose Linears are all quantized (lowbit.quantization.replaycache)
+        if replay and not ctx.kv_cache_kwarg:
+            group_of = {id(ctx.modules[n]): leader[n] for n in hooked}
+            frozen = FrozenChildren(layer, lambda c: {group_of[id(m)] for m in c.modules() if id(m) in group_of},
+                                    {leader[n] for n in hooked}, final_round=outputs)
 
         def work(k: int, meet):
             meeting[:] = [meet]
@@ -164,7 +170,12 @@ class LayerPass:
                 if k == 0:  # a new round: K/V are counted once, from the round that finishes
                     obs[0] = KVObserver()
                 kw[ctx.kv_cache_kwarg] = make_cache(ctx.model.config, obs[0].on_write, store=False)
-            return _layer_out(layer(h, **kw))
+            if frozen is None:
+                return _layer_out(layer(h, **kw))
+            if k == 0:
+                frozen.start_round(done)
+            with frozen.chunk(k):
+                return _layer_out(layer(h, **kw))
 
         handles = [ctx.modules[n].register_forward_pre_hook(hook_for(n)) for n in hooked]
         chunks = list(range(len(inputs)))
