@@ -327,9 +327,21 @@ def prepare(model: str, windows: int, calib: int, workdir: Path | None, prefix: 
           f"reference PPL {ref.ppl:.3f}; workdir {work}", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name] + sys.argv), "machine": platform.platform(),
+            "cpu_model": cpu_model(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": wb.info.name,
             "windows": list(wb.windows.shape), "calib": list(wb.calib_windows.shape), "reference_ppl": ref.ppl}
     return wb, ref, work, calib_path, meta
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux), for the record: tools' times compare only on one kind of CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,37 +183,3 @@ def test_gptq_with_a_bf16_or_fp32_hessian_is_as_accurate(tiny_llama, windows, ca
     assert kls["bf16"] == pytest.approx(kls["fp32"], rel=0.05)
     with pytest.raises(ValueError, match="hessian must be"):
         recipe_from_dict({"weights": "int4-g64", "algorithms": {"gptq": {"hessian": "fp16"}}})
-
-
-def _layer_outputs(model, inputs, kwargs):
-    h, outs = inputs[0], []
-    with torch.no_grad():
-        for i, layer in enumerate(decoder_layers(model)):
-            out = layer(h, **kwargs[i])
-            h = out[0] if isinstance(out, tuple) else out
-            outs.append(h)
-    return outs
-
-
-def test_a_sliding_mask_as_long_as_the_window_runs_as_is_causal(tiny_gemma3):
-    """Gemma-3's sliding-window mask over a sequence no longer than the window masks only the
-    future: it is dropped (SDPA's ``is_causal``), and every layer's output is bit for bit the
-    same; a real sliding window, or eager attention, keeps its mask."""
-    assert tiny_gemma3.config.sliding_window == 8 and tiny_gemma3.config._attn_implementation == "sdpa"
-    g = torch.Generator().manual_seed(1)
-    short = torch.randint(0, 256, (4, 8), generator=g)     # 8 tokens: the window covers every position
-    inputs, flagged = capture_inputs(tiny_gemma3, short, batch=2)
-    _, masked = capture_inputs(tiny_gemma3, short, batch=2, causal_flag=False)
-    sliding = [i for i, t in enumerate(tiny_gemma3.config.layer_types) if t == "sliding_attention"]
-    assert sliding and all(isinstance(masked[i]["attention_mask"], torch.Tensor) for i in sliding)
-    assert all(flagged[i]["attention_mask"] is None for i in sliding)
-    for a, b in zip(_layer_outputs(tiny_gemma3, inputs, flagged), _layer_outputs(tiny_gemma3, inputs, masked)):
-        assert torch.equal(a, b)
-
-    long = torch.randint(0, 256, (2, 24), generator=g)     # 24 tokens: the window masks old keys too
-    _, kw = capture_inputs(tiny_gemma3, long, batch=2)
-    assert all(isinstance(kw[i]["attention_mask"], torch.Tensor) for i in sliding)
-
-    tiny_gemma3.config._attn_implementation = "eager"      # no mask there would mean no causality
-    _, kw = capture_inputs(tiny_gemma3, short, batch=2)
-    assert all(isinstance(kw[i]["attention_mask"], torch.Tensor) for i in sliding)

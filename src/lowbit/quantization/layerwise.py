@@ -56,34 +56,14 @@ __all__ = ["quantize_layerwise"]
 log = logging.getLogger(__name__)
 
 
-def _plain_causal(model: nn.Module, layer: nn.Module, mask) -> bool:
-    """Whether ``mask`` is a boolean SDPA mask that says no more than causality: every
-    query sees every key up to its own position.  transformers builds such a mask for a
-    sliding-window layer (Gemma-3) when the window is as long as the sequence, though it
-    masks nothing beyond causality there; SDPA with the mask runs every block of keys,
-    with ``is_causal`` only those at or before the query's (the same values, bit for bit:
-    ``tests/quantization/test_layerwise.py``)."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False                     # eager attention with no mask would not be causal
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
-        return False
-    q, k = mask.shape[-2:]
-    if q != k or any(getattr(m, "is_causal", True) is False for m in layer.modules()):
-        return False
-    return bool(torch.equal(mask, torch.ones(q, k, dtype=torch.bool, device=mask.device).tril().expand_as(mask)))
-
-
 @torch.no_grad()
-def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int, *,
-                   causal_flag: bool = True) -> tuple[list[torch.Tensor], list[dict]]:
+def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int) -> tuple[list[torch.Tensor], list[dict]]:
     """The first decoder layer's input for each batch of windows, and the keyword
     arguments every decoder layer is called with (recorded once, on one window; they
     depend on positions only and broadcast over the batch).
 
     No decoder layer runs: for the arguments each layer's forward is replaced, for one
-    call, by a stub that records them (so the layers may still be on the meta device).
-    With ``causal_flag``, an attention mask that says no more than causality
-    (:func:`_plain_causal`) is left out, so that SDPA runs with ``is_causal``."""
+    call, by a stub that records them (so the layers may still be on the meta device)."""
     layers = decoder_layers(model)
     kwargs: list[dict] = [{} for _ in layers]
 
@@ -104,10 +84,6 @@ def capture_inputs(model: nn.Module, windows: torch.Tensor, batch: int, *,
     finally:
         for layer in layers:
             del layer.forward
-    if causal_flag:
-        for layer, kw in zip(layers, kwargs):
-            if _plain_causal(model, layer, kw.get("attention_mask")):
-                kw["attention_mask"] = None
     inputs: list[torch.Tensor] = []
 
     def grab(mod, args, kw):
