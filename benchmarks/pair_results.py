@@ -16,20 +16,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lowbit.evaluation.metrics import paired_difference  # noqa: E402
-
-_KEYS = ("window_nll", "window_tokens", "window_kl")
+from vs_peers import evaluated, paired_rows  # noqa: E402  (this script's folder is on sys.path)
 
 
 def _sides(path: Path, side: str | None) -> list[dict]:
-    rows = [r for r in json.loads(path.read_text())["results"]
-            if not r["result"].get("error") and r["result"].get("window_kl")]
-    return [r for r in rows if side is None or r["side"] == side]
+    return [r for r in evaluated(json.loads(path.read_text())["results"]) if side is None or r["side"] == side]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             if list(ra["result"]["window_tokens"]) != list(rb["result"]["window_tokens"]):
                 print(f"{ra['row']}: {ra['side']} and {rb['side']} were evaluated on different windows; skipped")
                 continue
-            ev = [SimpleNamespace(name=r["side"], **{k: tuple(r["result"][k]) for k in _KEYS}) for r in (ra, rb)]
-            p = paired_difference(*ev)
+            p = paired_rows(ra, rb)
             print(f"{ra['row']}: {args.b.name}:{rb['side']} / {args.a.name}:{ra['side']}: KL ratio {p['kl_ratio']:.3f} "
                   f"[{p['kl_ratio_ci'][0]:.3f}, {p['kl_ratio_ci'][1]:.3f}], PPL ratio {p['ppl_ratio']:.4f} "
                   f"[{p['ppl_ratio_ci'][0]:.4f}, {p['ppl_ratio_ci'][1]:.4f}]")

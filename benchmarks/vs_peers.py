@@ -141,18 +141,28 @@ def paired(results: list[dict]) -> list[dict]:
     """Every lowbit side against every peer side of the same row, paired over the evaluation windows
     (:func:`lowbit.evaluation.metrics.paired_difference`): the peer's evaluation is ``a``, lowbit's
     ``b``, so a KL ratio interval below 1 means lowbit's KL is lower on these windows beyond chance."""
+    ok = evaluated(results)
+    out = []
+    for lb in (r for r in ok if r["side"].startswith("lowbit")):
+        for peer in (r for r in ok if r["row"] == lb["row"] and not r["side"].startswith("lowbit")):
+            out.append({"row": lb["row"], "lowbit": lb["side"], "peer": peer["side"], **paired_rows(peer, lb)})
+    return out
+
+
+def evaluated(results: list[dict]) -> list[dict]:
+    """The result rows that were evaluated and keep their per-window figures."""
+    return [r for r in results if not r["result"].get("error") and r["result"].get("window_kl")]
+
+
+def paired_rows(a: dict, b: dict) -> dict:
+    """:func:`lowbit.evaluation.metrics.paired_difference` of two result rows (``a`` the reference)."""
     from types import SimpleNamespace
 
     from lowbit.evaluation.metrics import paired_difference
 
-    ok = [r for r in results if not r["result"].get("error") and r["result"].get("window_kl")]
-    out = []
-    for lb in (r for r in ok if r["side"].startswith("lowbit")):
-        for peer in (r for r in ok if r["row"] == lb["row"] and not r["side"].startswith("lowbit")):
-            ev = [SimpleNamespace(name=r["side"], **{k: tuple(r["result"][k]) for k in
-                                                    ("window_nll", "window_tokens", "window_kl")}) for r in (peer, lb)]
-            out.append({"row": lb["row"], "lowbit": lb["side"], "peer": peer["side"], **paired_difference(*ev)})
-    return out
+    ev = [SimpleNamespace(name=r["side"], **{k: tuple(r["result"][k]) for k in
+                                            ("window_nll", "window_tokens", "window_kl")}) for r in (a, b)]
+    return paired_difference(*ev)
 
 
 def paired_lines(pairs: list[dict]) -> str:
