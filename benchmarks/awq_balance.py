@@ -72,9 +72,17 @@ def run(bench: Workbench, recipe, variant: str, layers: int) -> tuple[float, dic
     finally:
         A.awq_scales, layerwise.balance_layer = real_scales, real_balance
         balancing.SAMPLE_MLP = True
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()
-               if any(f".layers.{i}." in n for i in range(layers))}
-    return seconds[0], weights
+    return seconds[0], layer_weights(model, layers)
+
+
+def layer_weights(model, layers: int) -> dict[str, torch.Tensor]:
+    """Copies of the parameters of the first ``layers`` decoder layers."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if any(f".layers.{i}." in n for i in range(layers))}
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(w, b[n]) for n, w in a.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         secs, weights = run(bench, recipe, v, a.layers)
         if first is None:
             first = (secs, weights)
-        same = weights.keys() == first[1].keys() and all(torch.equal(w, first[1][n]) for n, w in weights.items())
+        same = same_weights(weights, first[1])
         close = all(torch.allclose(w, first[1][n], rtol=1e-5, atol=1e-7) for n, w in weights.items())
         rows.append({"variant": v, "seconds": secs, "speedup": first[0] / secs, "same_weights": same,
                      "close_weights": close})

@@ -37,12 +37,9 @@ from lowbit.quantization import layerpass  # noqa: E402
 from lowbit.quantization.pipeline import quantize  # noqa: E402
 from lowbit.quantization.recipe import recipe_from_dict  # noqa: E402
 from lowbit.quantization.replaycache import FrozenChildren  # noqa: E402
+from awq_balance import _Enough, layer_weights, same_weights  # noqa: E402  (this script's folder is on sys.path)
 
 VARIANTS = ("rerun", "kept")
-
-
-class _Enough(Exception):
-    """Raised once the layers asked for have had their pass."""
 
 
 def run(bench: Workbench, recipe, variant: str, layers: int, outputs: bool) -> tuple[float, dict[str, torch.Tensor]]:
@@ -71,9 +68,7 @@ def run(bench: Workbench, recipe, variant: str, layers: int, outputs: bool) -> t
     finally:
         layerpass.LayerPass.layer_pass = real
         FrozenChildren.enabled = True
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()
-               if any(f".layers.{i}." in n for i in range(layers))}
-    return seconds[0], weights
+    return seconds[0], layer_weights(model, layers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         secs, weights = run(bench, recipe, v, a.layers, a.outputs)
         if first is None:
             first = (secs, weights)
-        same = weights.keys() == first[1].keys() and all(torch.equal(w, first[1][n]) for n, w in weights.items())
+        same = same_weights(weights, first[1])
         rows.append({"variant": v, "seconds": secs, "speedup": first[0] / secs, "same_weights": same})
         print(f"{v:6s} {secs:7.2f} s for {a.layers} layer passes  x{first[0] / secs:5.2f} vs {variants[0]}  "
               f"weights {'identical' if same else 'DIFFERENT'} to the first", flush=True)
