@@ -57,6 +57,7 @@ class FrozenChildren:
         self.all_groups = set(all_groups)
         self.final_round = final_round
         self.kept: dict[int, dict[int, object]] = {}
+        self._unsafe: set[int] = set()   # children that ran twice in one chunk: never handed back
         self._frozen: list[int] = []
         self._record = False
 
@@ -64,7 +65,8 @@ class FrozenChildren:
         """A new round starts with the groups in ``done`` quantized."""
         pending = len(self.all_groups - done)
         later = pending - 1 + int(self.final_round) if pending else 0   # each round meets one group
-        self._frozen = [j for j, (_, g) in enumerate(self.children) if g <= done] if self.enabled else []
+        self._frozen = ([j for j, (_, g) in enumerate(self.children) if g <= done and j not in self._unsafe]
+                        if self.enabled else [])
         self._record = later > 0
 
     @contextmanager
@@ -95,7 +97,7 @@ class FrozenChildren:
 
     def _disable(self, j: int) -> None:
         """Child ``j`` ran twice in one chunk: one kept output cannot stand for both calls."""
-        self.children[j] = (self.children[j][0], self.all_groups | {object()})   # never frozen again
+        self._unsafe.add(j)
         self.kept.pop(j, None)
         self._frozen = [f for f in self._frozen if f != j]
 
