@@ -27,7 +27,7 @@ def tokenizer(byte_bpe_tokenizer):
     return PreTrainedTokenizerFast(tokenizer_object=byte_bpe_tokenizer(TEXTS), bos_token="<s>", eos_token="</s>")
 
 
-def _model(kind: str):
+def _model(kind: str, window: int = 8):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -38,7 +38,7 @@ def _model(kind: str):
         return LlamaForCausalLM(cfg).eval()
     cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                           sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           sliding_window=window, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                            query_pre_attn_scalar=32)
     return Gemma3ForCausalLM(cfg).eval()
 
@@ -92,6 +92,84 @@ def test_prefix_sharing_equals_plain_and_direct(kind, tokenizer):
         np.testing.assert_allclose(a.loglik, b.loglik, rtol=0, atol=1e-4)
         np.testing.assert_allclose(b.loglik, _direct(model, tokenizer, ex), rtol=0, atol=1e-4)
         assert a.greedy == b.greedy and a.tokens == b.tokens and a.gold == ex.gold
+
+
+HEADER = "The following are multiple choice questions (with answers) about anatomy.\n\n"
+SUBJECT = [Example("mmlu", 10 + i, tuple((HEADER + q + "\nAnswer:", f" {c}") for c in "ABCD"), i % 4, (1, 1, 1, 1))
+           for i, q in enumerate(["Which technology was developed most recently?", "A man is sitting on a roof.",
+                                  "Sarah was a much better surgeon than Maria?", "He starts pulling up roofing."])]
+
+
+def _forwards(model):
+    """A list that grows by the batch size of each forward of ``model``."""
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3-window-200"])
+def test_examples_batched_with_padding_equal_plain_and_direct(kind, tokenizer):
+    """Several examples' prefixes of different lengths run as one right-padded batch (their common
+    header once), and their choices as a second one; each log-likelihood is its own sequence's.
+    Gemma-3's sliding window (200) is longer than every padded row, so batches form there too."""
+    model = _model("llama") if kind == "llama" else _model("gemma3", window=200)
+    examples = EXAMPLES + SUBJECT
+    calls = _forwards(model)
+    shared = score_examples(model, tokenizer, examples)
+    batched_calls = list(calls)
+    plain = score_examples(model, tokenizer, examples, share_prefix=False)
+    assert max(batched_calls) > 1 and len(batched_calls) < len(examples)  # examples did share forwards
+    assert shared.forward_tokens < plain.forward_tokens
+    for a, b, ex in zip(shared.examples, plain.examples, examples):
+        assert a.index == ex.index
+        np.testing.assert_allclose(a.loglik, b.loglik, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(a.loglik, _direct(model, tokenizer, ex), rtol=0, atol=1e-4)
+        assert a.greedy == b.greedy and a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3-window-200"])
+def test_a_common_header_runs_once(kind, tokenizer):
+    """Four questions of one subject: their shared header is read once, not four times, and the
+    padded rows after it still score as their own sequences (positions continue from it)."""
+    model = _model("llama") if kind == "llama" else _model("gemma3", window=200)
+    one = [score_examples(model, tokenizer, [ex]).forward_tokens for ex in SUBJECT]
+    together = score_examples(model, tokenizer, SUBJECT)
+    header = len(tokenizer.encode(HEADER)) - 1  # at least this much of it is one token sequence in all four
+    assert together.forward_tokens <= sum(one) - 3 * header
+    for a, ex in zip(together.examples, SUBJECT):
+        np.testing.assert_allclose(a.loglik, _direct(model, tokenizer, ex), rtol=0, atol=1e-4)
+
+
+def test_batches_respect_the_sliding_window(tokenizer):
+    """Padding takes cache slots that a sliding window counts, so with a window shorter than the
+    padded rows every example runs alone (Gemma-3 with window 8; the equality test above covers
+    the scores)."""
+    model = _model("gemma3", window=8)
+    calls = _forwards(model)
+    score_examples(model, tokenizer, EXAMPLES + SUBJECT)
+    assert max(calls) <= 4  # at most one example's choices in a forward
+
+
+def test_choice_groups_are_the_cheapest_split():
+    """The split of the choices' rows into forwards is the exact minimum of padded tokens plus a
+    cost per forward, against every split tried by brute force."""
+    import itertools
+
+    from lowbit.evaluation.tasks import _groups
+
+    def cost(widths, runs, fc):
+        return sum(fc + (hi - lo) * widths[hi - 1] for lo, hi in runs)
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        widths = sorted(rng.integers(1, 40, size=int(rng.integers(1, 9))).tolist())
+        fc = int(rng.integers(0, 30))
+        runs = _groups(widths, fc)
+        assert runs[0][0] == 0 and runs[-1][1] == len(widths) and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        n = len(widths)
+        brute = min(cost(widths, list(zip((0,) + cuts, cuts + (n,))), fc)
+                    for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        assert cost(widths, runs, fc) == brute
 
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "w4a16-int4-g128", "kv-int4-token"])

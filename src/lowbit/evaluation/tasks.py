@@ -11,16 +11,24 @@ argmax. Per example: ``acc`` = [argmax_i ll_i = gold], ``acc_norm`` = [argmax_i 
 Prefix sharing. The token sequences of one example's choices, ``s_i = ctx_i + cont_i``, share a
 prefix ``P`` (the whole context for ordinary multiple choice; the sentence before the option for
 WinoGrande). It runs once with a KV cache — only its last position's logits are formed — and the
-choices' remaining tokens run as one batch on copies of that cache. The log-likelihoods are those
-of the full sequences up to float rounding whenever quantization is token-local: weights,
+choices' remaining tokens run on copies of that cache, logits formed at their real positions only.
+Examples run in batches: sorted by prefix length, the prefixes of several examples form one
+right-padded batch (what all of them share, such as MMLU's header, runs once before it), then all
+their choices' remaining tokens form batches of similar widths. Padding slots are masked out and
+positions count real tokens, so no token reads another sequence; short forwards are bound by
+reading the weights, which a batch reads once. The log-likelihoods are those of the full
+sequences up to float rounding whenever quantization is token-local: weights,
 static or per-token (per-group) activation scales, and KV scales that are static or per token.
 Scales computed over a whole forward (dynamic per-tensor activations, dynamic per-tensor or
 per-channel KV — KIVI keys) depend on which tokens share a forward, so such recipes are scored
 one full sequence at a time, as lm-eval's batch size 1 does (:func:`prefix_exact`).
+A sliding-window model batches examples only while the padded rows fit in its window (the
+window counts cache slots, padding included).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +45,10 @@ from ..util.progress import progress_bar
 __all__ = ["Encoded", "ExampleScore", "TaskResult", "encode_example", "score_examples", "prefix_exact", "outcome"]
 
 _TOKEN_LOCAL = ("token", "channel", "group")
+_BATCH_TOKENS = 512  # padded prefix tokens in one batch of examples
+_BATCH_ROWS = 64
+_FORWARD_COST = 24  # padded tokens one more forward is worth: a forward of few short rows is bound by reading the weights
+_LOGIT_FLOATS = 1 << 26  # logits formed for one batch's choices (positions × vocabulary): 256 MiB in fp32
 _GENERATED = ("strict-match", "flexible-extract")  # a generative task's two answer filters (lm-eval's names)
 
 
@@ -182,6 +194,89 @@ def _gather(logprobs: torch.Tensor, cont: Sequence[int]) -> tuple[float, bool]:
     return ll, bool((logprobs.argmax(-1) == target).all())
 
 
+def _shared_len(seqs: Sequence[tuple[int, ...]], contexts: Sequence[tuple[int, ...]]) -> int:
+    """How many leading tokens every sequence of one example has in common (at most its
+    shortest context)."""
+    p = min(len(c) for c in contexts)
+    for s in seqs[1:]:
+        p = next((j for j, (a, b) in enumerate(zip(seqs[0][:p], s[:p])) if a != b), p)
+    return p
+
+
+@dataclass
+class _Item:
+    """One example to score by prefix sharing: its choices' full sequences and their common prefix."""
+
+    pos: int
+    enc: Encoded
+    seqs: list[tuple[int, ...]]
+    p: int
+
+    @property
+    def rest(self) -> list[tuple[int, ...]]:  # what each choice still reads after the prefix
+        return [s[self.p:-1] for s in self.seqs]
+
+
+class _Limits:
+    """How many examples one batch takes: padded prefix tokens, the choices' positions whose
+    logits are formed (memory: positions × vocabulary floats), and for sliding-window models a
+    padded length under the window, since the window counts cache slots and padding takes some."""
+
+    def __init__(self, config, tokens: int = _BATCH_TOKENS, rows: int = _BATCH_ROWS):
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.tokens, self.rows = tokens, rows
+        self.logit_positions = max(1, _LOGIT_FLOATS // int(config.vocab_size))
+        w = getattr(config, "sliding_window", None)
+        self.window = int(w) if isinstance(w, int) and w > 0 else None
+
+    def fits(self, items: list[_Item]) -> bool:
+        if len(items) <= 1:
+            return True
+        p = max(it.p for it in items)
+        rests = [len(r) for it in items for r in it.rest]
+        return (len(items) <= self.rows and len(items) * p <= self.tokens and sum(rests) <= self.logit_positions
+                and (self.window is None or p + max(rests) < self.window))
+
+
+def _batches(items: list[_Item], limits: _Limits) -> list[list[_Item]]:
+    """Consecutive runs of ``items`` sorted by prefix length (longest first, as lm-eval sorts),
+    each as large as ``limits`` allow."""
+    out: list[list[_Item]] = []
+    for it in sorted(items, key=lambda it: (-it.p, it.pos)):
+        if out and limits.fits(out[-1] + [it]):
+            out[-1].append(it)
+        else:
+            out.append([it])
+    return out
+
+
+def _groups(widths: Sequence[int], forward_cost: int = _FORWARD_COST) -> list[tuple[int, int]]:
+    """Split rows of ascending ``widths`` into consecutive runs ``[lo, hi)``, each one forward
+    padded to its widest row, minimising padded tokens plus ``forward_cost`` tokens a forward
+    (what reading the weights once costs): an exact dynamic programme over the split points."""
+    n = len(widths)
+    best, cut = [0] + [None] * n, [0] * (n + 1)
+    for hi in range(1, n + 1):
+        best[hi], cut[hi] = min((best[lo] + forward_cost + (hi - lo) * widths[hi - 1], lo) for lo in range(hi))
+    out, hi = [], n
+    while hi:
+        out.append((cut[hi], hi))
+        hi = cut[hi]
+    return out[::-1]
+
+
+def _gather_head(rows: Sequence[int], cols: Sequence[int]):
+    """A forward pre-hook for the output layer that keeps the positions ``(rows[k], cols[k])``
+    of the batch as one row, so that logits are formed there only: (1, len(rows), vocab)."""
+    r, c = torch.tensor(rows), torch.tensor(cols)
+
+    def hook(module, args):
+        h = args[0]
+        return (h[r.to(h.device), c.to(h.device)][None],) + tuple(args[1:])
+
+    return hook
+
+
 class _Scorer:
     """Runs one model (with its quantization state active) on encoded examples."""
 
@@ -191,9 +286,16 @@ class _Scorer:
         self.kw = cache_kwarg(model)
         self.tokens = 0
         self.device = input_device(model)  # None: accelerate's hooks place the inputs
+        self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def _cache(self):
         return make_cache(self.model.config, self.kv.on_write if self.kv else (lambda i, k, v: (k, v)))
+
+    def _ids(self, rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+        """``rows`` right-padded to ``width`` (padding is never read by a real token: it comes
+        after them, or is masked out)."""
+        self.tokens += sum(len(r) for r in rows)
+        return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], device=self.device)
 
     def plain(self, enc: Encoded) -> list[tuple[float, bool]]:
         """Each choice's full sequence on its own (lm-eval with batch size 1)."""
@@ -205,31 +307,68 @@ class _Scorer:
             out.append(_gather(torch.log_softmax(logits, -1), cont))
         return out
 
-    def shared(self, enc: Encoded) -> list[tuple[float, bool]]:
-        seqs = [c + t for c, t in zip(enc.contexts, enc.continuations)]
-        p = min(len(c) for c in enc.contexts)
-        for s in seqs[1:]:
-            p = next((j for j, (a, b) in enumerate(zip(seqs[0][:p], s[:p])) if a != b), p)
-        if p == 0:
-            return self.plain(enc)
+    def batch(self, items: list[_Item]) -> list[list[tuple[float, bool]]]:
+        """Score ``items`` together: the prefix all of them share once; each example's own
+        prefix as a row of one right-padded batch, its logits formed at its last token only;
+        then every choice's remaining tokens as a row of a second batch, on a copy of its
+        example's cache row. Padding slots are masked out and positions count real tokens, so
+        each row's numbers are those of its own sequence up to float rounding."""
+        n = len(items)
+        c = _shared_len([it.seqs[0][:it.p] for it in items], [it.seqs[0][:it.p - 1] for it in items]) if n > 1 else 0
         cache = self._cache()
-        self.tokens += p
-        head = self.model(input_ids=torch.tensor([seqs[0][:p]], device=self.device), use_cache=True, logits_to_keep=1,
-                          **{self.kw: cache}).logits[0, -1:].float()  # (1, V): predicts token p
-        rest = [s[p:-1] for s in seqs]  # what each choice still reads
-        width = max(len(r) for r in rest)
-        tail = None
-        if width:
-            cache.batch_repeat_interleave(len(seqs))
-            ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rest], device=self.device)  # right padding: causal
-            self.tokens += sum(len(r) for r in rest)
-            tail = self.model(input_ids=ids, use_cache=True, **{self.kw: cache}).logits.float()
+        kw = {self.kw: cache, "use_cache": True}
+        if c:
+            self.model(input_ids=self._ids([items[0].seqs[0][:c]], c), logits_to_keep=1, **kw)
+            cache.batch_repeat_interleave(n)
+        heads = [it.seqs[0][c:it.p] for it in items]
+        width = max(len(h) for h in heads)
+        ids = self._ids(heads, width)
+        padded = any(len(h) < width for h in heads)
+        extra = {}
+        if padded:
+            mask = torch.ones(n, c + width, dtype=torch.long)
+            for b, h in enumerate(heads):
+                mask[b, c + len(h):] = 0
+            extra = {"attention_mask": self._on(mask), "position_ids": self._on(torch.arange(c, c + width).expand(n, -1))}
+        first = self._logits(ids, range(n), [len(h) - 1 for h in heads], kw, extra)  # (n, V)
+        tails = sorted(((b, j, r) for b, it in enumerate(items) for j, r in enumerate(it.rest) if r),
+                       key=lambda t: len(t[2]))
+        more = {}
+        groups = _groups([len(r) for _, _, r in tails])
+        for g, (lo, hi) in enumerate(groups):
+            part = tails[lo:hi]
+            rows = [b for b, _, _ in part]
+            run = cache if g == len(groups) - 1 else copy.deepcopy(cache)  # the last group may use it up
+            run.reorder_cache(torch.tensor(rows))
+            w2 = len(part[-1][2])
+            if padded:
+                extra = {"attention_mask": self._on(torch.cat([mask[rows], torch.ones(len(rows), w2, dtype=torch.long)], 1)),
+                         "position_ids": self._on(torch.stack([torch.arange(items[b].p, items[b].p + w2) for b in rows]))}
+            at = [(k, t) for k, (_, _, r) in enumerate(part) for t in range(len(r))]  # the real positions only
+            logits = self._logits(self._ids([r for _, _, r in part], w2), [k for k, _ in at], [t for _, t in at],
+                                  {**kw, self.kw: run}, extra)
+            starts = torch.tensor([0] + [len(r) for _, _, r in part]).cumsum(0).tolist()
+            more.update({(b, j): logits[starts[k]:starts[k + 1]] for k, (b, j, _) in enumerate(part)})
         out = []
-        for i, (ctx, cont) in enumerate(zip(enc.contexts, enc.continuations)):
-            # logits at positions p-1 .. len(s_i)-2; the continuation is predicted from len(ctx)-1 on
-            rows = head if tail is None else torch.cat([head, tail[i, :len(rest[i])]])
-            out.append(_gather(torch.log_softmax(rows[len(ctx) - p:], -1), cont))
+        for b, it in enumerate(items):
+            res = []
+            for j, (ctx, cont) in enumerate(zip(it.enc.contexts, it.enc.continuations)):
+                # logits at positions p-1 .. len(s_j)-2; the continuation is predicted from len(ctx)-1 on
+                rows_j = first[b:b + 1] if (b, j) not in more else torch.cat([first[b:b + 1], more[(b, j)]])
+                res.append(_gather(torch.log_softmax(rows_j[len(ctx) - it.p:], -1), cont))
+            out.append(res)
         return out
+
+    def _logits(self, ids: torch.Tensor, rows, cols, kw: dict, extra: dict) -> torch.Tensor:
+        """The model's logits at positions ``(rows[k], cols[k])`` of the batch ``ids``: (len(rows), V)."""
+        hook = self.head.register_forward_pre_hook(_gather_head(list(rows), list(cols)), prepend=True)
+        try:
+            return self.model(input_ids=ids, logits_to_keep=0, **kw, **extra).logits[0].float()
+        finally:
+            hook.remove()
+
+    def _on(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device is None else t.to(self.device)
 
 
 @torch.inference_mode()
@@ -246,13 +385,29 @@ def score_examples(model: nn.Module, tokenizer, examples: Sequence[Example], *, 
         raise ValueError("this recipe's scales depend on the whole forward; prefix sharing would change them")
     share = prefix_exact(state) if share_prefix is None else share_prefix
     t0 = time.perf_counter()
-    scores = []
+    encs = [encode_example(tokenizer, ex, bos=bos) for ex in examples]
+    results: list[list[tuple[float, bool]] | None] = [None] * len(examples)
     with quantized_execution(model, state) as forward:
         scorer = _Scorer(model, state, forward, share)
-        for ex in progress_bar(examples, f"scoring {name}".strip(), enabled=progress):
-            enc = encode_example(tokenizer, ex, bos=bos)
-            res = scorer.shared(enc) if share else scorer.plain(enc)
-            scores.append(ExampleScore(ex.index, ex.gold, tuple(r[0] for r in res), tuple(r[1] for r in res),
-                                       tuple(len(c) for c in enc.continuations), ex.choice_lengths, ex.subject))
+        share = share and scorer.head is not None  # logits are formed through the output layer's input
+        items, alone = [], []
+        for i, enc in enumerate(encs):
+            seqs = [c + t for c, t in zip(enc.contexts, enc.continuations)]
+            p = _shared_len(seqs, enc.contexts) if share else 0
+            if p:
+                items.append(_Item(i, enc, seqs, p))
+            else:
+                alone.append(i)
+        limits = _Limits(model.config)
+        work = [[i] for i in alone] + _batches(items, limits)
+        for unit in progress_bar(work, f"scoring {name}".strip(), enabled=progress):
+            if isinstance(unit[0], int):
+                results[unit[0]] = scorer.plain(encs[unit[0]])
+                continue
+            for it, res in zip(unit, scorer.batch(unit)):
+                results[it.pos] = res
+    scores = [ExampleScore(ex.index, ex.gold, tuple(r[0] for r in res), tuple(r[1] for r in res),
+                           tuple(len(c) for c in enc.continuations), ex.choice_lengths, ex.subject)
+              for ex, enc, res in zip(examples, encs, results)]
     task = examples[0].task if examples else ""
     return TaskResult(task, name, kind, tuple(scores), time.perf_counter() - t0, scorer.tokens, share)
