@@ -118,7 +118,7 @@ test-lmeval: setup lmeval-venv
 	$(BIN)/python -m pytest -q tests/evaluation/test_tasks_lmeval.py
 
 bench-tasks: lmeval-venv
-	PYTHONPATH=src $(LMEVAL)/bin/python benchmarks/tasks_speed.py --limit 50
+	PYTHONPATH=src $(LMEVAL)/bin/python benchmarks/tasks_speed.py --limit 50 --threads 1
 
 # The peers of benchmarks/vs_llmcompressor.py and benchmarks/vs_peers.py (issues 6 and 18), each in a venv of
 # its own, torch 2.13.0 first and held there: llm-compressor 0.14.0.1 (it brings AutoRound 0.15.1) and

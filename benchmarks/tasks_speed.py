@@ -11,7 +11,8 @@ model time of each (lm-eval: its ``loglikelihood`` call; lowbit: ``score_example
 ``--rounds``, alternating so that machine noise hits both.
 
 Needs lm-eval, which lowbit does not depend on: ``make lmeval-venv`` builds ``.venv-lmeval``;
-run ``PYTHONPATH=src .venv-lmeval/bin/python benchmarks/tasks_speed.py [--limit 20] [--json F]``.
+run ``PYTHONPATH=src .venv-lmeval/bin/python benchmarks/tasks_speed.py [--limit 50] [--threads 1] [--json F]``
+(``make bench-tasks``). ``--batch-size`` sets lm-eval's (default 1, its own default).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def run_lmeval(lm, names: list[str], folder: Path, limit: int):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tasks", default="arc_easy,hellaswag,winogrande,mmlu,lambada")
+    ap.add_argument("--tasks", default="arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa,sciq,mmlu,lambada")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=1, help="lm-eval's batch size (default 1)")
