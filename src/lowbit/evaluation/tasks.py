@@ -29,6 +29,7 @@ window counts cache slots, padding included).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -268,11 +269,10 @@ def _groups(widths: Sequence[int], forward_cost: int = _FORWARD_COST) -> list[tu
 def _gather_head(rows: Sequence[int], cols: Sequence[int]):
     """A forward pre-hook for the output layer that keeps the positions ``(rows[k], cols[k])``
     of the batch as one row, so that logits are formed there only: (1, len(rows), vocab)."""
-    r, c = torch.tensor(rows), torch.tensor(cols)
-
     def hook(module, args):
         h = args[0]
-        return (h[r.to(h.device), c.to(h.device)][None],) + tuple(args[1:])
+        r, c = torch.tensor(rows, device=h.device), torch.tensor(cols, device=h.device)
+        return (h[r, c][None],) + tuple(args[1:])
 
     return hook
 
@@ -286,6 +286,7 @@ class _Scorer:
         self.kw = cache_kwarg(model)
         self.tokens = 0
         self.device = input_device(model)  # None: accelerate's hooks place the inputs
+        self.at = self.device or torch.device("cpu")  # where masks and positions are made
         self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def _cache(self):
@@ -326,10 +327,10 @@ class _Scorer:
         padded = any(len(h) < width for h in heads)
         extra = {}
         if padded:
-            mask = torch.ones(n, c + width, dtype=torch.long)
+            mask = torch.ones(n, c + width, dtype=torch.long, device=self.at)
             for b, h in enumerate(heads):
                 mask[b, c + len(h):] = 0
-            extra = {"attention_mask": self._on(mask), "position_ids": self._on(torch.arange(c, c + width).expand(n, -1))}
+            extra = {"attention_mask": mask, "position_ids": torch.arange(c, c + width, device=self.at).expand(n, -1)}
         first = self._logits(ids, range(n), [len(h) - 1 for h in heads], kw, extra)  # (n, V)
         tails = sorted(((b, j, r) for b, it in enumerate(items) for j, r in enumerate(it.rest) if r),
                        key=lambda t: len(t[2]))
@@ -339,15 +340,16 @@ class _Scorer:
             part = tails[lo:hi]
             rows = [b for b, _, _ in part]
             run = cache if g == len(groups) - 1 else copy.deepcopy(cache)  # the last group may use it up
-            run.reorder_cache(torch.tensor(rows))
+            run.reorder_cache(torch.tensor(rows, device=self.at))
             w2 = len(part[-1][2])
             if padded:
-                extra = {"attention_mask": self._on(torch.cat([mask[rows], torch.ones(len(rows), w2, dtype=torch.long)], 1)),
-                         "position_ids": self._on(torch.stack([torch.arange(items[b].p, items[b].p + w2) for b in rows]))}
+                extra = {"attention_mask": torch.cat([mask[rows], mask.new_ones(len(rows), w2)], 1),
+                         "position_ids": torch.stack([torch.arange(items[b].p, items[b].p + w2, device=self.at)
+                                                      for b in rows])}
             at = [(k, t) for k, (_, _, r) in enumerate(part) for t in range(len(r))]  # the real positions only
             logits = self._logits(self._ids([r for _, _, r in part], w2), [k for k, _ in at], [t for _, t in at],
                                   {**kw, self.kw: run}, extra)
-            starts = torch.tensor([0] + [len(r) for _, _, r in part]).cumsum(0).tolist()
+            starts = list(itertools.accumulate((len(r) for _, _, r in part), initial=0))
             more.update({(b, j): logits[starts[k]:starts[k + 1]] for k, (b, j, _) in enumerate(part)})
         out = []
         for b, it in enumerate(items):
@@ -366,9 +368,6 @@ class _Scorer:
             return self.model(input_ids=ids, logits_to_keep=0, **kw, **extra).logits[0].float()
         finally:
             hook.remove()
-
-    def _on(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device is None else t.to(self.device)
 
 
 @torch.inference_mode()
