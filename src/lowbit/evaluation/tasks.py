@@ -311,8 +311,9 @@ class _Scorer:
     def batch(self, items: list[_Item]) -> list[list[tuple[float, bool]]]:
         """Score ``items`` together: the prefix all of them share once; each example's own
         prefix as a row of one right-padded batch, its logits formed at its last token only;
-        then every choice's remaining tokens as a row of a second batch, on a copy of its
-        example's cache row. Padding slots are masked out and positions count real tokens, so
+        then every choice's remaining tokens as a row of further batches (rows of similar widths
+        together, :func:`_groups`), each on a copy of its example's cache row, logits formed at
+        real positions only. Padding slots are masked out and positions count real tokens, so
         each row's numbers are those of its own sequence up to float rounding."""
         n = len(items)
         c = _shared_len([it.seqs[0][:it.p] for it in items], [it.seqs[0][:it.p - 1] for it in items]) if n > 1 else 0
