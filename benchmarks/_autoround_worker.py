@@ -20,6 +20,8 @@ For MXFP4 and NVFP4 the weights are tuned with 16-bit activations (W4A16), but A
 compressed-tensors export writes the W4A4 preset's config whatever the activations were
 (``export_to_fp.py`` builds it from the weight format alone), so the checkpoint declares 4-bit input
 activations; lowbit's evaluator judges its stored weights only, which is the W4A16 model that was tuned.
+``w4a4-nvfp4`` is the W4A4 preset as AutoRound defines it; ``vs_peers.py`` evaluates that checkpoint
+with NVFP4 input quantization and its stored ``input_global_scale``.
 
     .venv-llmc/bin/python benchmarks/_autoround_worker.py w4a16-g64-sym:light MODEL_DIR CALIB.safetensors OUT
 
@@ -55,6 +57,9 @@ SCHEMES = {
     # reset to 4 (their ``act_data_type`` wins); weights only here, so the activation type is unset too
     "w4a16-mxfp4": dict(scheme="MXFP4", act_bits=16, act_data_type="float"),
     "w4a16-nvfp4": dict(scheme="NVFP4", act_bits=16, act_data_type="float"),
+    # the NVFP4 preset as it is: activations quantized while tuning (dynamic FP8 block scales, a static
+    # global scale from the calibration's absmax, stored as input_global_scale)
+    "w4a4-nvfp4": dict(scheme="NVFP4"),
 }
 
 

@@ -198,10 +198,10 @@ def runtime_only(recipe):
     return dataclasses.replace(recipe, name=recipe.name + "-runtime", rules=rules, algorithms=Algorithms())
 
 
-def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
-    """Evaluate llm-compressor's checkpoint: decompressed weights + lowbit's run-time
-    activation / KV quantization for the same configuration, with llm-compressor's stored
-    NVFP4 input global scales and KV scales where the checkpoint has them."""
+def eval_checkpoint(wb, cfg: Config, folder: Path, tool: str = "llm-compressor") -> tuple:
+    """Evaluate a peer's checkpoint: decompressed weights + lowbit's run-time activation / KV
+    quantization of the preset ``cfg.lowbit`` (None: weights only), with the checkpoint's stored
+    NVFP4 input global scales and KV scales where it has them."""
     import torch
     from safetensors.torch import load_file
 
@@ -213,7 +213,7 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
     from lowbit.quantization.runtime import quantized_execution
 
     model = load_model(str(folder))[0]
-    rt = runtime_only(RECIPES[cfg.lowbit])
+    rt = None if cfg.lowbit is None else runtime_only(RECIPES[cfg.lowbit])
     notes = []
     state = None
     if rt is not None:
@@ -232,10 +232,10 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
                 used += 1
         gs = sum(1 for a in state.activations.values() if a.global_scale is not None)
         if gs:
-            notes.append(f"input global scales: llm-compressor's stored input_global_scale for {used}/{gs} Linears"
+            notes.append(f"input global scales: {tool}'s stored input_global_scale for {used}/{gs} Linears"
                          + ("" if used == gs else ", lowbit's calibration for the rest"))
         if state.activations and not gs:
-            notes.append("dynamic input quantization by lowbit's runtime (same scheme as llm-compressor's)")
+            notes.append(f"dynamic input quantization by lowbit's runtime (same scheme as {tool}'s)")
         if state.kv is not None:
             fmax = rt.kv_cache.scheme.format.max
             ks = {int(m.group(1)): (v.float().reshape(-1).max() * fmax).reshape(1)
@@ -245,9 +245,9 @@ def eval_llmc_checkpoint(wb, cfg: Config, folder: Path) -> tuple:
             n_layers = len(state.kv.k_amax) or len(state.kv.v_amax)
             if len(ks) == n_layers and len(vs) == n_layers:
                 state.kv = KVPlan(state.kv.config, ks, vs)
-                notes.append(f"KV: llm-compressor's stored k_scale/v_scale ({n_layers} layers)")
+                notes.append(f"KV: {tool}'s stored k_scale/v_scale ({n_layers} layers)")
             else:
-                notes.append(f"KV: llm-compressor's checkpoint has {len(ks)}/{len(vs)} k/v scales for {n_layers} "
+                notes.append(f"KV: {tool}'s checkpoint has {len(ks)}/{len(vs)} k/v scales for {n_layers} "
                              "layers; lowbit's calibrated KV scales used")
     with torch.inference_mode(), quantized_execution(model, state) as fwd:
         ev = evaluate(fwd, wb.windows, wb.reference, name=f"llmc {cfg.key}", seed=wb.seed, progress=False)
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 w = _run([a.llmc_python, str(HERE / "_llmc_worker.py"), cfg.llmc, model_dir, str(calib_path),
                           str(folder)], "llmc", work, key)
-                ev, note = eval_llmc_checkpoint(wb, cfg, folder)
+                ev, note = eval_checkpoint(wb, cfg, folder)
                 r["llmc"] = _row_dict(ev, w["quantize_seconds"], w["peak_mib"], note)
             except Exception as e:  # noqa: BLE001
                 r["llmc"] = {"error": str(e)[-2000:]}

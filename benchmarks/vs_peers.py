@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_llmcompressor import DEFAULT_LLMC_PYTHON, LLMC_VENV_HELP, _row_dict, _run, prepare  # noqa: E402
+from vs_llmcompressor import DEFAULT_LLMC_PYTHON, LLMC_VENV_HELP, _row_dict, _run, eval_checkpoint, prepare  # noqa: E402
 
 AUTOROUND_PYTHON = DEFAULT_LLMC_PYTHON
 AUTOROUND_HELP = LLMC_VENV_HELP + "   # llm-compressor brings auto-round 0.15.1"
@@ -48,6 +48,9 @@ class Row:
     label: str
     lowbit: tuple[str, ...]  # lowbit presets of this format, plain and calibrated
     peers: tuple[str, ...] = ("autoround", "gptqmodel")  # the peers that quantize to this format
+    #: a lowbit preset whose input quantization a peer's checkpoint runs with (its stored input scales
+    #: where it has them); None: weight-only, the checkpoint's weights alone
+    runtime: str | None = None
 
 
 ROWS = {r.key: r for r in [
@@ -63,6 +66,9 @@ ROWS = {r.key: r for r in [
     # compressed-tensors' W4A4 scheme all the same, and load_model applies the weights only
     Row("w4a16-mxfp4", "W4A16 MXFP4", ("w4a16-mxfp4", "w4a16-mxfp4-gptq", "w4a16-mxfp4-gptq-ro"), ("autoround",)),
     Row("w4a16-nvfp4", "W4A16 NVFP4", ("w4a16-nvfp4", "w4a16-nvfp4-gptq", "w4a16-nvfp4-gptq-ro"), ("autoround",)),
+    # weights and activations: both tools tune through their activation quantizer; AutoRound's checkpoint
+    # is judged with lowbit's NVFP4 input quantization and its stored input_global_scale
+    Row("w4a4-nvfp4", "W4A4 NVFP4", ("nvfp4", "nvfp4-gptq", "nvfp4-gptq-ro"), ("autoround",), runtime="nvfp4"),
 ]}
 PEER_SIDES = ("autoround:light", "autoround:default", "autoround:best", "gptqmodel:default", "gptqmodel:desc",
               "gptqmodel:plain")
@@ -87,17 +93,13 @@ def expand_sides(text: str, row: Row) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def eval_folder(wb, folder: Path, name: str):
-    """A peer's checkpoint (compressed-tensors or dense), decompressed by ``load_model``, evaluated."""
-    import torch
+def eval_folder(wb, folder: Path, name: str, tool: str, runtime: str | None = None) -> tuple:
+    """A peer's checkpoint (compressed-tensors or dense), decompressed by ``load_model``, evaluated —
+    with ``runtime``'s input quantization and the checkpoint's stored input scales when given
+    (:func:`vs_llmcompressor.eval_checkpoint`).  Returns ``(evaluation, notes)``."""
+    from types import SimpleNamespace
 
-    from lowbit.evaluation.metrics import evaluate
-    from lowbit.models.loading import load_model
-    from lowbit.quantization.runtime import plain_forward
-
-    model = load_model(str(folder))[0]
-    with torch.inference_mode():
-        return evaluate(plain_forward(model), wb.windows, wb.reference, name=name, seed=wb.seed, progress=False)
+    return eval_checkpoint(wb, SimpleNamespace(key=name, lowbit=runtime), folder, tool)
 
 
 def run_side(side: str, row: Row, a, wb, calib_path: Path, work: Path) -> dict:
@@ -116,8 +118,8 @@ def run_side(side: str, row: Row, a, wb, calib_path: Path, work: Path) -> dict:
         cmd.append(str(a.peer_iters))
     env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2") if tool == "gptqmodel" else None
     w = _run(cmd, tool, work, tag, marker="PEER_RESULT ", env=env)
-    ev = eval_folder(wb, folder, tag)
-    d = _row_dict(ev, w["quantize_seconds"], w["peak_mib"], w.get("note", ""))
+    ev, notes = eval_folder(wb, folder, tag, tool, row.runtime)
+    d = _row_dict(ev, w["quantize_seconds"], w["peak_mib"], "; ".join(n for n in (w.get("note", ""), notes) if n))
     d["worker"] = {k: v for k, v in w.items() if k not in ("quantize_seconds", "peak_mib")}
     return d
 

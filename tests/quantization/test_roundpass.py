@@ -95,6 +95,56 @@ def test_outputs_taken_from_the_final_check_are_the_recomputed_ones(caplog, monk
     assert all(torch.equal(p, pb[n]) for n, p in pa.items())
 
 
+@pytest.mark.parametrize("weights, inputs", [("int4-g64", "int8-token"), ("nvfp4", "nvfp4")])
+def test_quantized_inputs_are_trained_through(caplog, weights, inputs):
+    """W4A4 / W4A8: with zero steps learned rounding is GPTQ bit for bit, so the outputs it hands the
+    next layer are the quantized layer's with its inputs quantized (the next layer's GPTQ and input
+    scales depend on them); the loss it trains from is the layer's with its inputs quantized (the
+    weight-only loss is different); with steps, no layer ends above its start."""
+    from lowbit.quantization.runtime import quantized_execution
+
+    caplog.set_level(logging.INFO, logger="lowbit.quantization.roundpass")
+    base = {"gptq": {}}
+    m0, s0 = _run(_recipe(weights, inputs, **base))
+    m1, s1 = _run(_recipe(weights, inputs, **base, round_opt={"steps": 0, "windows": 4, "batch": 4}))
+    assert s0.weights.keys() == s1.weights.keys() and s0.activations.keys() == s1.activations.keys()
+    for n, qt in s0.weights.items():
+        assert torch.equal(qt.codes, s1.weights[n].codes) and torch.equal(qt.scale, s1.weights[n].scale), n
+    for n, aq in s0.activations.items():
+        g0, g1 = aq.global_scale, s1.activations[n].global_scale
+        assert (g0 is None) == (g1 is None) and (g0 is None or torch.equal(g0, g1)), n
+    p1 = dict(m1.named_parameters())
+    assert all(torch.equal(p, p1[n]) for n, p in m0.named_parameters())
+
+    # layer 0's starting loss: its output with quantized inputs against the float layer's, on the 4 windows
+    start = float(_LOSS.findall(caplog.text)[0][1])
+    ids = token_windows(8, 16)[:4]
+    outs = {}
+
+    def grab(key):
+        return lambda mod, args, out: outs.__setitem__(key, (out[0] if isinstance(out, tuple) else out).float())
+
+    ref = wide_llama().requires_grad_(False)
+    h = ref.model.layers[0].register_forward_hook(grab("float"))
+    ref(input_ids=ids)
+    h.remove()
+    h = m1.model.layers[0].register_forward_hook(grab("weights only"))
+    m1(input_ids=ids)
+    h.remove()
+    h = m1.model.layers[0].register_forward_hook(grab("quantized inputs"))
+    with quantized_execution(m1, s1) as forward:
+        forward(ids)
+    h.remove()
+    mse = {k: float(torch.nn.functional.mse_loss(outs[k], outs["float"])) for k in ("weights only", "quantized inputs")}
+    assert start == pytest.approx(mse["quantized inputs"], rel=2e-3)
+    assert abs(mse["weights only"] / mse["quantized inputs"] - 1) > 5e-3, mse  # the check can tell them apart
+
+    caplog.clear()
+    _run(_recipe(weights, inputs, **base, round_opt={"steps": 12, "windows": 4, "batch": 2, "lr": 0.05}))
+    losses = [(float(a), float(b)) for _, a, b in _LOSS.findall(caplog.text)]
+    assert len(losses) == 2 and all(b <= a for a, b in losses) and any(b < a for a, b in losses), losses
+
+
 def test_qtensors_are_dropped_when_not_kept():
     model = wide_llama().requires_grad_(False)
     state = quantize(model, _recipe(round_opt={"steps": 2, "windows": 2}), token_windows(4, 16), progress=False)
@@ -119,9 +169,6 @@ def test_what_it_does_not_do_yet_is_refused_before_any_work():
         _recipe(outliers={}, round_opt={})
     model = wide_llama()
     before = {n: p.clone() for n, p in model.named_parameters()}
-    with pytest.raises(NotImplementedError, match="quantized inputs"):
-        quantize(model, _recipe("int8-channel", inputs="int8-token", round_opt={}), token_windows(2, 16),
-                 progress=False)
     with pytest.raises(NotImplementedError, match="KV cache"):
         quantize(model, _recipe(kv="fp8-tensor", round_opt={}), token_windows(2, 16), progress=False)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -266,9 +266,7 @@ _GPTQ_MSE = {"gptq": {}, "observer": "mse", "mse_importance": True}
 
 
 def _preset(name: str, description: str, weights=None, inputs=None, kv=None, algorithms=None) -> Recipe:
-    d = {"name": name, "description": description}
-    if algorithms:
-        d["algorithms"] = algorithms
+    d = {"name": name, "description": description, **({"algorithms": algorithms} if algorithms else {})}
     if weights or inputs:
         d["weights"], d["inputs"] = weights, inputs
     if kv:
@@ -342,6 +340,8 @@ RECIPES: dict[str, Recipe] = {
         _preset("w8a8-int8-static-sq", "W8A8 INT8 static per-tensor activations, SmoothQuant 0.8",
                 "int8-channel", "int8-tensor", algorithms={"smoothquant": {"alpha": 0.8}}),
         _preset("nvfp4-gptq", "W4A4 NVFP4, GPTQ (weighted-MSE block scales)", "nvfp4", "nvfp4", algorithms=_GPTQ_MSE),
+        _preset("nvfp4-gptq-ro", "W4A4 NVFP4, GPTQ (weighted-MSE block scales) then learned rounding and clipping "
+                "through the quantized activations", "nvfp4", "nvfp4", algorithms={**_GPTQ_MSE, "round_opt": {}}),
         _preset("nvfp4-rot-gptq", "W4A4 NVFP4, Hadamard rotations + GPTQ (weighted-MSE block scales)", "nvfp4", "nvfp4",
                 algorithms={"rotation": {}, **_GPTQ_MSE}),
         _preset("w8a8-int8-static-outliers", "W8A8 INT8 static per-tensor, outlier input channels kept in 16 bits",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from ..numerics.qtensor import dequantize
 from . import algorithms as A
 from .methods import RoundOptConfig
 from .recipe import Recipe
-from .runtime import QuantState
+from .runtime import ActQuant, QuantState
 
 __all__ = ["LayerRounding", "check_round_opt", "compute_dtype"]
 
@@ -30,17 +32,38 @@ log = logging.getLogger(__name__)
 
 
 def check_round_opt(recipe: Recipe, plan: dict) -> None:
-    """Refuse, before any work, what learned rounding does not do yet: quantized inputs
-    and a quantized KV cache (the trained layer would have to run their quantizers)."""
+    """Refuse, before any work, what learned rounding does not do yet: a quantized KV cache
+    (the trained layer would have to run its quantizer at the cache write).  Quantized
+    inputs are trained through (see :func:`_inputs_as_run`)."""
     if recipe.algorithms.round_opt is None:
         return
-    quantized_inputs = sorted(n for n, (_, i) in plan.items() if i is not None)
-    if quantized_inputs:
-        raise NotImplementedError(
-            f"round_opt with quantized inputs is not implemented ({len(quantized_inputs)} Linears, e.g. "
-            f"{quantized_inputs[0]}): the trained layer does not run activation quantizers; use a weight-only recipe")
     if recipe.kv_cache is not None:
-        raise NotImplementedError("round_opt with a quantized KV cache is not implemented; use a weight-only recipe")
+        raise NotImplementedError("round_opt with a quantized KV cache is not implemented; use a recipe without "
+                                  "kv_cache (the KV cache can be quantized at evaluation with --kv)")
+
+
+@contextmanager
+def _inputs_as_run(modules: dict[str, nn.Module], acts: dict[str, ActQuant]) -> Iterator[None]:
+    """While the block runs, each named Linear's input is quantized as ``acts`` says, as the
+    quantized model runs it.  Where the input carries gradients (a training step) the
+    quantization passes them straight through; without gradients the values are exactly
+    the runtime's.  (No rotation: recipes refuse round_opt with rotation.)"""
+
+    def hook_for(aq: ActQuant):
+        def hook(mod, args):
+            x = args[0]
+            y = A.straight_through(x, aq(x.detach())) if x.requires_grad else aq(x)
+            return (y,) + tuple(args[1:])
+        return hook
+
+    handles = []
+    try:
+        for n, aq in acts.items():
+            handles.append(modules[n].register_forward_pre_hook(hook_for(aq)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -125,7 +148,15 @@ class LayerRounding:
         """Train layer ``i``'s rounding from the QTensors its pass left in ``state``, with
         offsets on the float weights or, where its method left one in ``anchors`` (GPTQ:
         the weights as it rounded them; taken out of the dict), on that; write the tuned
-        weights (and QTensors, when kept); return its outputs on the kept inputs."""
+        weights (and QTensors, when kept); return its outputs on the kept inputs.  The
+        layer's inputs are quantized as its pass fixed them, in training and in the outputs."""
+        prefix = self._saved["prefix"]
+        acts = {n: aq for n, aq in state.activations.items() if n.startswith(prefix + ".") and aq.scheme is not None}
+        with _inputs_as_run(modules, acts):
+            return self._after(i, layer, kwargs, modules, state, keep_qtensors, anchors)
+
+    def _after(self, i: int, layer: nn.Module, kwargs: dict, modules: dict[str, nn.Module], state: QuantState,
+               keep_qtensors: bool, anchors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         saved, self._saved = self._saved, None
         cfg, prefix = self.cfg, saved["prefix"]

@@ -7,7 +7,7 @@ touches a model: :mod:`lowbit.quantization.pipeline` gathers the statistics and 
 from .awq import awq_clip, awq_scales
 from .gptq import gptq
 from .outliers import fake_quantize_with_outliers, outlier_channels
-from .roundopt import LearnedRounding, RoundingResult, optimize_rounding
+from .roundopt import LearnedRounding, RoundingResult, optimize_rounding, straight_through
 from .rotation import hadamard, random_hadamard, rotate_weight_in, rotate_weight_out
 from .rtn import clip_ratios, mse_qparams
 from .smoothquant import smooth, smoothquant_scales
@@ -19,5 +19,5 @@ __all__ = [
     "awq_scales", "awq_clip",                                       # awq
     "hadamard", "random_hadamard", "rotate_weight_in", "rotate_weight_out",  # rotation
     "outlier_channels", "fake_quantize_with_outliers",              # outliers
-    "optimize_rounding", "LearnedRounding", "RoundingResult",       # roundopt
+    "optimize_rounding", "LearnedRounding", "RoundingResult", "straight_through",  # roundopt
 ]

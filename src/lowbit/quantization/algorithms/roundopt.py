@@ -50,7 +50,7 @@ from ...numerics.qtensor import QTensor, dequantize, quantize
 from ...numerics.scheme import Scheme, _global_divisor
 from ...util.parallel import torch_threads
 
-__all__ = ["LearnedRounding", "optimize_rounding", "RoundingResult"]
+__all__ = ["LearnedRounding", "optimize_rounding", "RoundingResult", "straight_through"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class _PassThrough(torch.autograd.Function):
         return grad, None
 
 
-def _ste(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """``rounded`` forward (bit for bit), identity backward: the straight-through estimator."""
     return _PassThrough.apply(x, rounded)
 
@@ -198,13 +198,13 @@ class LearnedRounding:
             return self.s0, (None if self.init.zero is None else self.init.zero.to(torch.float32)[:, None, :, None])
         if scheme.symmetric:
             raw = self.alpha * self.s0
-            return _ste(raw, scheme.round_scale(raw.detach())), None
+            return straight_through(raw, scheme.round_scale(raw.detach())), None
         hi, lo = self.alpha * self.hi0, self.beta * self.lo0
         raw = (hi - lo) / (fmt.max - fmt.min)
-        s = _ste(raw, scheme.round_scale(raw.detach()))
+        s = straight_through(raw, scheme.round_scale(raw.detach()))
         safe = torch.where(s > 0, s, torch.ones_like(s))
         zraw = fmt.min - lo / safe
-        z = _ste(zraw, torch.round(zraw.detach()).clamp(fmt.min, fmt.max))
+        z = straight_through(zraw, torch.round(zraw.detach()).clamp(fmt.min, fmt.max))
         return s, torch.where(s > 0, z, torch.zeros_like(z))
 
     def _values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -214,7 +214,7 @@ class LearnedRounding:
         u = y + (self.v0 + self.offset) * _grid_step(y, self.scheme)
         if z is not None:
             u = u + z
-        return _ste(u, self.scheme.format.round(u.detach())), s, z
+        return straight_through(u, self.scheme.format.round(u.detach())), s, z
 
     def weight(self) -> torch.Tensor:
         """The quantized weight ``(code − zero) · scale`` in the weight's shape, differentiable."""
