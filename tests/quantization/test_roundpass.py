@@ -95,16 +95,18 @@ def test_outputs_taken_from_the_final_check_are_the_recomputed_ones(caplog, monk
     assert all(torch.equal(p, pb[n]) for n, p in pa.items())
 
 
-@pytest.mark.parametrize("weights, inputs", [("int4-g64", "int8-token"), ("nvfp4", "nvfp4")])
-def test_quantized_inputs_are_trained_through(caplog, weights, inputs):
-    """W4A4 / W4A8: with zero steps learned rounding is GPTQ bit for bit, so the outputs it hands the
-    next layer are the quantized layer's with its inputs quantized (the next layer's GPTQ and input
-    scales depend on them); the loss it trains from is the layer's with its inputs quantized (the
-    weight-only loss is different); with steps, no layer ends above its start."""
+@pytest.mark.parametrize("weights, inputs, base", [
+    ("int4-g64", "int8-token", {"gptq": {}}), ("nvfp4", "nvfp4", {"gptq": {}}),
+    ("int8-channel", "int8-token", {"smoothquant": {"alpha": 0.8}, "gptq": {}})])
+def test_quantized_inputs_are_trained_through(caplog, weights, inputs, base):
+    """W4A4 / W4A8 / W8A8 with SmoothQuant: with zero steps learned rounding is its weight method bit
+    for bit, so the outputs it hands the next layer are the quantized layer's with its inputs quantized
+    (the next layer's GPTQ and input scales depend on them); the loss it trains from is the layer's
+    with its inputs quantized (the weight-only loss is different); with steps, no layer ends above
+    its start."""
     from lowbit.quantization.runtime import quantized_execution
 
     caplog.set_level(logging.INFO, logger="lowbit.quantization.roundpass")
-    base = {"gptq": {}}
     m0, s0 = _run(_recipe(weights, inputs, **base))
     m1, s1 = _run(_recipe(weights, inputs, **base, round_opt={"steps": 0, "windows": 4, "batch": 4}))
     assert s0.weights.keys() == s1.weights.keys() and s0.activations.keys() == s1.activations.keys()

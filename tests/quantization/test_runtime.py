@@ -75,7 +75,7 @@ def test_siblings_quantize_their_shared_input_once(tiny_llama, windows, recipe, 
     layers = len(tiny_llama.model.layers)
     assert len(calls) == 4 * layers  # q/k/v once, o, gate/up once, down
     # with every Linear quantizing its own input: the same logits from 7 quantizations per layer
-    monkeypatch.setattr(runtime, "_pre_hook", lambda aq, last: lambda m, args: (aq(args[0]),) + tuple(args[1:]))
+    monkeypatch.setattr(runtime, "_pre_hook", lambda aq, last, *_: lambda m, args: (aq(args[0]),) + tuple(args[1:]))
     calls.clear()
     with quantized_execution(tiny_llama, state) as fwd:
         alone = fwd(windows[:2])

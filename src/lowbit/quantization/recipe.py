@@ -94,10 +94,10 @@ class Algorithms:
         if self.smoothquant is not None and self.awq is not None:
             raise ValueError("smoothquant and awq both rescale the same channels; choose one")
         if self.round_opt is not None:
-            other = [k for k in ("rotation", "smoothquant", "outliers") if getattr(self, k) is not None]
+            other = [k for k in ("rotation", "outliers") if getattr(self, k) is not None]
             if other:
-                raise ValueError(f"round_opt with {', '.join(other)} is not implemented (the trained layer would need "
-                                 "their online rotations or kept channels); it starts from min-max, MSE, AWQ or GPTQ")
+                raise ValueError(f"round_opt with {', '.join(other)} is not implemented (the trained layer would need their "
+                                 "online rotations or kept channels); it starts from min-max, MSE, AWQ, SmoothQuant or GPTQ")
         if self.observer not in ("minmax", "mse"):
             raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
         if self.batch < 1:

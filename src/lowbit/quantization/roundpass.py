@@ -7,14 +7,14 @@ Per layer, :meth:`LayerRounding.before` (the layer still in float, after AWQ bal
 keeps the layer's float weights, its inputs and the training targets;
 :meth:`LayerRounding.after` (after the layer's pass) trains, writes the weights and their
 QTensors, and returns the layer's new outputs.  Only one layer's copies are alive at a time.
+Where the recipe quantizes a Linear's input, the layer trains and computes its outputs with
+that input quantized as the pass fixed it, the gradients passed straight through.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from ..numerics.qtensor import dequantize
 from . import algorithms as A
 from .methods import RoundOptConfig
 from .recipe import Recipe
-from .runtime import ActQuant, QuantState
+from .runtime import QuantState, quantized_activations
 
 __all__ = ["LayerRounding", "check_round_opt", "compute_dtype"]
 
@@ -34,36 +34,12 @@ log = logging.getLogger(__name__)
 def check_round_opt(recipe: Recipe, plan: dict) -> None:
     """Refuse, before any work, what learned rounding does not do yet: a quantized KV cache
     (the trained layer would have to run its quantizer at the cache write).  Quantized
-    inputs are trained through (see :func:`_inputs_as_run`)."""
+    inputs are trained through (:meth:`LayerRounding.after`)."""
     if recipe.algorithms.round_opt is None:
         return
     if recipe.kv_cache is not None:
         raise NotImplementedError("round_opt with a quantized KV cache is not implemented; use a recipe without "
                                   "kv_cache (the KV cache can be quantized at evaluation with --kv)")
-
-
-@contextmanager
-def _inputs_as_run(modules: dict[str, nn.Module], acts: dict[str, ActQuant]) -> Iterator[None]:
-    """While the block runs, each named Linear's input is quantized as ``acts`` says, as the
-    quantized model runs it.  Where the input carries gradients (a training step) the
-    quantization passes them straight through; without gradients the values are exactly
-    the runtime's.  (No rotation: recipes refuse round_opt with rotation.)"""
-
-    def hook_for(aq: ActQuant):
-        def hook(mod, args):
-            x = args[0]
-            y = A.straight_through(x, aq(x.detach())) if x.requires_grad else aq(x)
-            return (y,) + tuple(args[1:])
-        return hook
-
-    handles = []
-    try:
-        for n, aq in acts.items():
-            handles.append(modules[n].register_forward_pre_hook(hook_for(aq)))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -151,8 +127,9 @@ class LayerRounding:
         weights (and QTensors, when kept); return its outputs on the kept inputs.  The
         layer's inputs are quantized as its pass fixed them, in training and in the outputs."""
         prefix = self._saved["prefix"]
-        acts = {n: aq for n, aq in state.activations.items() if n.startswith(prefix + ".") and aq.scheme is not None}
-        with _inputs_as_run(modules, acts):
+        acts = {n[len(prefix) + 1:]: aq for n, aq in state.activations.items()
+                if n.startswith(prefix + ".") and aq.scheme is not None}
+        with quantized_activations(layer, acts, straight_through=True):
             return self._after(i, layer, kwargs, modules, state, keep_qtensors, anchors)
 
     def _after(self, i: int, layer: nn.Module, kwargs: dict, modules: dict[str, nn.Module], state: QuantState,

@@ -8,6 +8,7 @@ are removed when the block ends, also after an exception.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from .algorithms.roundopt import straight_through as _straight_through
 from .kv import KVPlan, kv_forward
 from ..numerics.qtensor import QParams, QTensor, compute_qparams, fake_quantize
 from .recipe import Recipe
@@ -80,12 +82,15 @@ class QuantState:
 
 
 @contextmanager
-def quantized_activations(model: nn.Module, plan: dict[str, ActQuant]) -> Iterator[None]:
+def quantized_activations(model: nn.Module, plan: dict[str, ActQuant], straight_through: bool = False) -> Iterator[None]:
     """Quantize the input of each named Linear while the block runs.
 
     Linears that read the same tensor with the same quantization (q/k/v, gate/up, as a
     runtime fuses them) quantize it once: the quantized tensor of the last call is reused
     when the next hook receives that very tensor object with an equal :class:`ActQuant`.
+    ``straight_through``: an input that carries gradients (a training step) passes them
+    straight through the quantization (the rotation is differentiated as it is); the
+    values are the same.
     """
     modules = dict(model.named_modules())
     missing = [n for n in plan if n not in modules]
@@ -97,7 +102,7 @@ def quantized_activations(model: nn.Module, plan: dict[str, ActQuant]) -> Iterat
     try:
         for name, aq in plan.items():
             shared = canonical.setdefault(_signature(aq), aq)
-            handles.append(modules[name].register_forward_pre_hook(_pre_hook(shared, last)))
+            handles.append(modules[name].register_forward_pre_hook(_pre_hook(shared, last, straight_through)))
         yield
     finally:
         last.clear()
@@ -128,13 +133,19 @@ def _signature(aq: ActQuant) -> tuple:
     return (aq.scheme, qps, t(aq.global_scale), t(aq.rotation), t(aq.keep))
 
 
-def _pre_hook(aq: ActQuant, last: _LastInput):
+def _pre_hook(aq: ActQuant, last: _LastInput, straight_through: bool = False):
+    quant = dataclasses.replace(aq, rotation=None)
+
     def hook(module, args):
         x = args[0]
         if last.x is x and last.aq is aq:
             y = last.y
         else:
-            y = aq(x)
+            if straight_through and x.requires_grad and aq.scheme is not None:
+                r = x if aq.rotation is None else x @ aq.rotation.to(x.device, x.dtype)
+                y = _straight_through(r, quant(r.detach()))
+            else:
+                y = aq(x)
             last.x, last.aq, last.y = x, aq, y
         return (y,) + tuple(args[1:])
 
