@@ -38,8 +38,8 @@ def check_round_opt(recipe: Recipe, plan: dict) -> None:
     if recipe.algorithms.round_opt is None:
         return
     if recipe.kv_cache is not None:
-        raise NotImplementedError("round_opt with a quantized KV cache is not implemented; use a recipe without "
-                                  "kv_cache (the KV cache can be quantized at evaluation with --kv)")
+        raise NotImplementedError("round_opt with a quantized KV cache is not implemented; remove kv_cache from "
+                                  "the recipe")
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype | None:
