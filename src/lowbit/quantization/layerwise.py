@@ -217,7 +217,7 @@ def quantize_layerwise(
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
-    check_round_opt(recipe, plan)
+    check_round_opt(recipe)
     experts = expert_groups(model)
     online, rotate = _rotations(model, algo.rotation)
     modules = dict(model.named_modules())

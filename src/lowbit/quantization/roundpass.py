@@ -31,7 +31,7 @@ __all__ = ["LayerRounding", "check_round_opt", "compute_dtype"]
 log = logging.getLogger(__name__)
 
 
-def check_round_opt(recipe: Recipe, plan: dict) -> None:
+def check_round_opt(recipe: Recipe) -> None:
     """Refuse, before any work, what learned rounding does not do yet: a quantized KV cache
     (the trained layer would have to run its quantizer at the cache write).  Quantized
     inputs are trained through (:meth:`LayerRounding.after`)."""

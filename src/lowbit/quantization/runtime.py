@@ -134,7 +134,7 @@ def _signature(aq: ActQuant) -> tuple:
 
 
 def _pre_hook(aq: ActQuant, last: _LastInput, straight_through: bool = False):
-    quant = dataclasses.replace(aq, rotation=None)
+    quant = dataclasses.replace(aq, rotation=None) if straight_through else None  # the quantizer after the rotation
 
     def hook(module, args):
         x = args[0]
