@@ -44,7 +44,8 @@ ORDERINGS = {"default": {}, "desc": dict(act_group_aware=False, desc_act=True),
              "plain": dict(act_group_aware=False, desc_act=False)}
 
 
-def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size: int) -> dict:
+def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size: int,
+               desc_act: bool = False) -> dict:
     """Dequantize every quantized module with GPTQModel's kernel; write a dense float32 model."""
     import torch
     from gptqmodel import BACKEND, GPTQModel
@@ -65,7 +66,9 @@ def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size
             w = w.t()
         if tuple(w.shape) != tuple(lin.weight.shape):
             raise SystemExit(f"{name}: dequantized shape {tuple(w.shape)} != {tuple(lin.weight.shape)}")
-        levels = max_group_levels(w, group_size)
+        # in activation order (desc_act) a group is the columns sharing a g_idx entry, not a contiguous run
+        g_idx = getattr(mod, "g_idx", None)
+        levels = max_group_levels(w, group_size, g_idx if desc_act else None)
         worst = max(worst, levels)
         if levels > 2 ** bits:
             raise SystemExit(f"{name}: a group has {levels} distinct values, more than {2 ** bits}")
@@ -100,7 +103,8 @@ def main() -> None:
     peak = peak_rss_mib()
     gptq_dir = out.with_name(out.name + ".gptq")
     model.save(str(gptq_dir))
-    check = dense_copy(gptq_dir, Path(model_dir), out, kwargs["bits"], kwargs["group_size"])
+    check = dense_copy(gptq_dir, Path(model_dir), out, kwargs["bits"], kwargs["group_size"],
+                       bool(kwargs["desc_act"]))
     copy_tokenizer_files(Path(model_dir), out)
     print("PEER_RESULT " + json.dumps({"config": config, "variant": variant, "quantize_seconds": seconds,
                                         "peak_mib": peak, "out": str(out), "quantize_config": kwargs,

@@ -38,15 +38,24 @@ def parse_config(config: str, schemes: dict, variants: dict, tool: str) -> tuple
     return dict(schemes[scheme]), variant, dict(variants[variant])
 
 
-def max_group_levels(w, group_size: int) -> int:
-    """The most distinct values any group of ``group_size`` consecutive columns of one row of the
-    2-D weight ``w`` holds (a ragged last group counts its own columns): at most ``2**bits`` for
-    weights that really are on a ``bits``-bit grid, up to ``group_size`` for float weights."""
+def max_group_levels(w, group_size: int, g_idx=None) -> int:
+    """The most distinct values any group of one row of the 2-D weight ``w`` holds: at most ``2**bits``
+    for weights that really are on a ``bits``-bit grid, up to ``group_size`` for float weights. Groups are
+    ``group_size`` consecutive columns (a ragged last group counts its own columns) or, when ``g_idx`` (one
+    group index per input column, as GPTQ checkpoints quantized in activation order store it) is given, the
+    columns that share an index."""
     import torch
 
+    if g_idx is None:
+        blocks = [w[:, c0:c0 + group_size] for c0 in range(0, w.shape[1], group_size)]
+    else:
+        g_idx = torch.as_tensor(g_idx).reshape(-1)
+        if g_idx.numel() != w.shape[1]:
+            raise ValueError(f"g_idx has {g_idx.numel()} entries for {w.shape[1]} columns")
+        blocks = [w[:, g_idx == g] for g in torch.unique(g_idx)]
     worst = 0
-    for c0 in range(0, w.shape[1], group_size):
-        g = torch.sort(w[:, c0:c0 + group_size].float(), dim=1).values
+    for block in blocks:
+        g = torch.sort(block.float(), dim=1).values
         levels = 1 + (g[:, 1:] != g[:, :-1]).sum(dim=1)
         worst = max(worst, int(levels.max()))
     return worst

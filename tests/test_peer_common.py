@@ -32,6 +32,23 @@ def test_the_count_is_per_row_and_group_and_the_ragged_group_counts_its_own_colu
     assert max_group_levels(w2, 128) == 16
 
 
+
+def test_in_activation_order_a_group_is_the_columns_sharing_a_g_idx_entry():
+    """GPTQ in activation order (desc_act) quantizes columns in a permuted order, so group g holds the
+    columns with g_idx == g, scattered over the row: a dequantized weight on the grid then has up to
+    16 levels per g_idx group but more per contiguous run (GPTQModel's desc side failed on that)."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 256, generator=gen)
+    perm = torch.randperm(256, generator=gen)
+    wq = dequantize(quantize(w[:, perm], get_scheme("int4-g64-signed")))     # quantized in permuted order
+    w_back = torch.empty_like(wq)
+    w_back[:, perm] = wq                                                      # stored in the original order
+    g_idx = torch.empty(256, dtype=torch.long)
+    g_idx[perm] = torch.arange(256) // 64
+    assert max_group_levels(w_back, 64, g_idx) <= 16
+    assert max_group_levels(w_back, 64) > 16
+    assert max_group_levels(w, 64, g_idx) == 64                               # float weights: every value distinct
+
 def test_every_peer_worker_defines_every_global_name_its_functions_read():
     """The workers run only in the peers' venvs, so a name used but never imported (GPTQModel's worker
     once called max_group_levels without importing it, failing after its whole quantization) shows here."""
