@@ -44,8 +44,7 @@ ORDERINGS = {"default": {}, "desc": dict(act_group_aware=False, desc_act=True),
              "plain": dict(act_group_aware=False, desc_act=False)}
 
 
-def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size: int,
-               desc_act: bool = False) -> dict:
+def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size: int) -> dict:
     """Dequantize every quantized module with GPTQModel's kernel; write a dense float32 model."""
     import torch
     from gptqmodel import BACKEND, GPTQModel
@@ -66,9 +65,9 @@ def dense_copy(gptq_dir: Path, model_dir: Path, out: Path, bits: int, group_size
             w = w.t()
         if tuple(w.shape) != tuple(lin.weight.shape):
             raise SystemExit(f"{name}: dequantized shape {tuple(w.shape)} != {tuple(lin.weight.shape)}")
-        # in activation order (desc_act) a group is the columns sharing a g_idx entry, not a contiguous run
-        g_idx = getattr(mod, "g_idx", None)
-        levels = max_group_levels(w, group_size, g_idx if desc_act else None)
+        # a group is the columns sharing a g_idx entry: contiguous runs in GAR / plain order, scattered in
+        # activation order (desc_act)
+        levels = max_group_levels(w, group_size, getattr(mod, "g_idx", None))
         worst = max(worst, levels)
         if levels > 2 ** bits:
             raise SystemExit(f"{name}: a group has {levels} distinct values, more than {2 ** bits}")
@@ -103,8 +102,7 @@ def main() -> None:
     peak = peak_rss_mib()
     gptq_dir = out.with_name(out.name + ".gptq")
     model.save(str(gptq_dir))
-    check = dense_copy(gptq_dir, Path(model_dir), out, kwargs["bits"], kwargs["group_size"],
-                       bool(kwargs["desc_act"]))
+    check = dense_copy(gptq_dir, Path(model_dir), out, kwargs["bits"], kwargs["group_size"])
     copy_tokenizer_files(Path(model_dir), out)
     print("PEER_RESULT " + json.dumps({"config": config, "variant": variant, "quantize_seconds": seconds,
                                         "peak_mib": peak, "out": str(out), "quantize_config": kwargs,

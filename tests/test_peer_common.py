@@ -32,7 +32,6 @@ def test_the_count_is_per_row_and_group_and_the_ragged_group_counts_its_own_colu
     assert max_group_levels(w2, 128) == 16
 
 
-
 def test_in_activation_order_a_group_is_the_columns_sharing_a_g_idx_entry():
     """GPTQ in activation order (desc_act) quantizes columns in a permuted order, so group g holds the
     columns with g_idx == g, scattered over the row: a dequantized weight on the grid then has up to
@@ -48,6 +47,7 @@ def test_in_activation_order_a_group_is_the_columns_sharing_a_g_idx_entry():
     assert max_group_levels(w_back, 64, g_idx) <= 16
     assert max_group_levels(w_back, 64) > 16
     assert max_group_levels(w, 64, g_idx) == 64                               # float weights: every value distinct
+
 
 def test_every_peer_worker_defines_every_global_name_its_functions_read():
     """The workers run only in the peers' venvs, so a name used but never imported (GPTQModel's worker
