@@ -80,7 +80,12 @@ demo: setup
 	$(BIN)/lowbit compare smollm2-135m $(DEMO_PROTOCOL)
 	$(BIN)/lowbit plan smollm2-135m --gpu h100 --serve-as llama-3.1-8b $(DEMO_PROTOCOL) --report demo-plan --force
 
+# the assets some fast tests read when present (the chat template, the benchmark rows): fetched first, so that
+# on a fresh machine they run rather than skip (a no-op once cached)
+TEST_ASSETS := smollm2-135m wiki tasks
+
 test: setup
+	$(BIN)/lowbit assets fetch $(TEST_ASSETS)
 	$(BIN)/python -m pytest -q -m "not vllm"
 
 # the real vLLM in the loop (issue 14): not in `make test` yet — on an AVX2-only CPU vLLM's CPU build has no
@@ -89,6 +94,7 @@ test-vllm: setup vllm
 	$(BIN)/python -m pytest -q -m vllm
 
 test-fast: setup
+	$(BIN)/lowbit assets fetch $(TEST_ASSETS)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: setup

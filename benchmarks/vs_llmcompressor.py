@@ -131,12 +131,17 @@ def lowbit_worker(recipe_name: str, model_name: str, calib_path: str, windows: s
     # the calibration pipeline's per-stage seconds (balancing, pass, weights, learned rounding) go to
     # stderr, which the parent keeps as this worker's log: where a side's time goes, from the timed run
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("lowbit.quantization.layerwise", "lowbit.quantization.roundpass"):
+    for name in ("lowbit.quantization.layerwise", "lowbit.quantization.roundpass", "lowbit.quantization.scalepass",
+                 "lowbit.quantization.algorithms.scaletune"):
         logging.getLogger(name).setLevel(logging.INFO)
     recipe = load_recipe(recipe_name)  # a preset, or a recipe YAML
     calib = load_file(calib_path)["input_ids"]
     layerwise = recipe.algorithms.layerwise
-    if layerwise:  # the calibration pipeline loads decoder layers one at a time from the checkpoint
+    if recipe.algorithms.tune_scales is not None:  # end-to-end scale tuning trains the whole model: loaded whole
+        model, tok, info = load_model(model_name)
+        t0 = time.perf_counter()
+        state = quantize(model, recipe, progress=False, calibration=calib)
+    elif layerwise:  # the calibration pipeline loads decoder layers one at a time from the checkpoint
         model, tok, info = load_model(model_name, lazy=True)
         t0 = time.perf_counter()
         with LayerStore(model, info.path) as store:

@@ -48,6 +48,7 @@ from ..util.progress import staged_progress
 from .methods import RotationConfig
 from .recipe import Recipe
 from .roundpass import LayerRounding, check_round_opt
+from .scalepass import reference_copy, tune_model_scales
 from .runtime import ActQuant, QuantState
 from .transforms import residual_rotation_supported, rotate_down_input, rotate_residual_ends, rotate_residual_layer
 
@@ -218,6 +219,9 @@ def quantize_layerwise(
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     plan = recipe.resolve(names)
     check_round_opt(recipe)
+    # tune_scales' float model (None without it); what the stage cannot do is refused here, before any work
+    reference = reference_copy(model, recipe, calibration.shape[0], store is not None, on_layer is not None)
+    keep = keep_qtensors or reference is not None  # tune_scales trains the QTensors' scales
     experts = expert_groups(model)
     online, rotate = _rotations(model, algo.rotation)
     modules = dict(model.named_modules())
@@ -244,7 +248,7 @@ def quantize_layerwise(
     expert_every = expert_sample_every(model, sample_every, moe_expert_count(expert_of), algo.experts_see_all_tokens)
     ctx = PassContext(model, modules, plan, algo, state, stats, online, siblings, need_h, sample_every,
                       kv_cache_kwarg=cache_kwarg(model) if recipe.kv_cache is not None else None,
-                      keep_qtensors=keep_qtensors or algo.round_opt is not None,  # round_opt starts from them
+                      keep_qtensors=keep or algo.round_opt is not None,  # round_opt starts from them
                       expert_of=expert_of, expert_sample_every=expert_every)
     rounding = LayerRounding(algo.round_opt, inputs) if algo.round_opt is not None else None
     method = ctx.method.label
@@ -283,7 +287,7 @@ def quantize_layerwise(
                 stage("learned rounding")
                 t_r = time.perf_counter()
                 inputs = None  # the pass's outputs: recomputed from the tuned weights, not kept beside them
-                inputs = rounding.after(i, layers[i], layer_kwargs[i], modules, state, keep_qtensors, ctx.anchors)
+                inputs = rounding.after(i, layers[i], layer_kwargs[i], modules, state, keep, ctx.anchors)
                 times["rounding"] += time.perf_counter() - t_r
             if home is not None:
                 offload(layers[i], home, state, stats, prefix)
@@ -299,6 +303,8 @@ def quantize_layerwise(
     state.kv = kv_plan_from(recipe, stats)
     state.calibration = stats
     log.info("layer by layer (%s): %s", recipe.name, ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+    if reference is not None:
+        tune_model_scales(model, reference, recipe, state, calibration, keep_qtensors, progress)
     return state
 
 

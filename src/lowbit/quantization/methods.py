@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "RotationConfig", "OutlierConfig", "RoundOptConfig",
-           "METHODS"]
+           "ScaleTuneConfig", "METHODS"]
 
 
 def _positive(name: str, value: float) -> None:
@@ -164,6 +164,29 @@ class RoundOptConfig:
             raise ValueError(f"compute must be auto, bf16 or fp32, got {self.compute!r}")
 
 
+@dataclass(frozen=True)
+class ScaleTuneConfig:
+    """End-to-end scale tuning (:func:`lowbit.quantization.algorithms.tune_scales`): after
+    the layer-by-layer pass, every quantized weight's scales (codes and zero points fixed)
+    are trained together by Adam (step ``lr`` on the log scale factors) for ``epochs``
+    passes over the calibration windows but the last ``holdout``, to minimise the KL from
+    the float model's next-token distribution to the quantized model's; the epoch with
+    the lowest KL on the ``holdout`` windows is kept (the start when none is lower).
+    Costs a float copy of the model in memory and, per window and epoch, one float forward
+    and one quantized forward and backward."""
+
+    epochs: int = 2
+    lr: float = 1e-3
+    holdout: int = 8
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        _positive("lr", self.lr)
+        if self.holdout < 1:
+            raise ValueError(f"holdout must be >= 1 (the windows that choose the epoch kept), got {self.holdout}")
+
+
 #: the ``algorithms`` keys that name a method, and its config
 METHODS = {"rotation": RotationConfig, "smoothquant": SmoothQuantConfig, "awq": AWQConfig, "gptq": GPTQConfig,
-           "outliers": OutlierConfig, "round_opt": RoundOptConfig}
+           "outliers": OutlierConfig, "round_opt": RoundOptConfig, "tune_scales": ScaleTuneConfig}

@@ -31,7 +31,7 @@ import yaml
 from ..numerics.scheme import Scheme, scheme_from_dict
 from ..util.validate import check_keys, from_mapping
 from .kvconfig import KVConfig
-from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConfig, RoundOptConfig, SmoothQuantConfig
+from .methods import METHODS, AWQConfig, GPTQConfig, OutlierConfig, RotationConfig, RoundOptConfig, ScaleTuneConfig, SmoothQuantConfig
 
 __all__ = ["Rule", "KVConfig", "Recipe", "Algorithms", "RECIPES", "COMPARE_DEFAULT", "load_recipe", "recipe_from_dict", "DEFAULT_IGNORE"]
 
@@ -57,10 +57,11 @@ class Algorithms:
     """Calibration methods, applied in a fixed order by the layer-by-layer pipeline:
     rotations → balancing (SmoothQuant or AWQ) → weight quantizer (GPTQ, or RTN with an
     observer) → learned rounding (``round_opt``, started from the weight quantizer's
-    result) → activation and KV calibration.  An illegal order cannot be written.
+    result) → activation and KV calibration → end-to-end scale tuning (``tune_scales``,
+    over the whole model once every layer is done).  An illegal order cannot be written.
 
     Attributes:
-        rotation, smoothquant, awq, gptq, outliers, round_opt: the method's settings
+        rotation, smoothquant, awq, gptq, outliers, round_opt, tune_scales: the method's settings
             (:mod:`lowbit.quantization.methods`), or ``None``: not run.
         observer: ``minmax`` or ``mse`` (clipping search) — how RTN and GPTQ choose scales.
         mse_importance: weight the MSE search by each input channel's mean x².
@@ -81,6 +82,7 @@ class Algorithms:
     mse_importance: bool = False
     outliers: OutlierConfig | None = None
     round_opt: RoundOptConfig | None = None
+    tune_scales: ScaleTuneConfig | None = None
     batch: int = 4
     expert_min_tokens: int = 16
     experts_see_all_tokens: bool = False
@@ -93,10 +95,10 @@ class Algorithms:
                 raise ValueError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
         if self.smoothquant is not None and self.awq is not None:
             raise ValueError("smoothquant and awq both rescale the same channels; choose one")
-        if self.round_opt is not None:
-            other = [k for k in ("rotation", "outliers") if getattr(self, k) is not None]
+        for trained in ("round_opt", "tune_scales"):
+            other = [k for k in ("rotation", "outliers") if getattr(self, trained) is not None and getattr(self, k)]
             if other:
-                raise ValueError(f"round_opt with {', '.join(other)} is not implemented (the trained layer would need their "
+                raise ValueError(f"{trained} with {', '.join(other)} is not implemented (the trained model would need their "
                                  "online rotations or kept channels); it starts from min-max, MSE, AWQ, SmoothQuant or GPTQ")
         if self.observer not in ("minmax", "mse"):
             raise ValueError(f"observer must be minmax or mse, got {self.observer!r}")
@@ -123,7 +125,8 @@ class Algorithms:
             base = "AWQ clipping"
         else:
             base = "MSE search" if self.observer == "mse" else "min-max"
-        return base + (" + learned rounding" if self.round_opt is not None else "")
+        return (base + (" + learned rounding" if self.round_opt is not None else "")
+                + (" + scale tuning" if self.tune_scales is not None else ""))
 
 
 def _method(cls):
@@ -300,12 +303,9 @@ RECIPES: dict[str, Recipe] = {
         _preset("nvfp4", "W4A4 NVFP4 weights and activations (calibrated activation global scale)", "nvfp4", "nvfp4"),
         _preset("w4a16-int4-g64-mse", "W4A16 INT4 g64, RTN with an activation-weighted MSE clipping search",
                 "int4-g64", algorithms={"observer": "mse", "mse_importance": True}),
-        _preset("w4a16-gptq-g64", "W4A16 INT4 g64, GPTQ with activation-weighted MSE group scales", "int4-g64",
-                algorithms=_GPTQ_MSE),
-        _preset("w4a16-gptq-g128", "W4A16 INT4 g128, GPTQ with activation-weighted MSE group scales", "int4-g128",
-                algorithms=_GPTQ_MSE),
-        _preset("w4a16-awq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping)", "int4-g64-asym",
-                algorithms={"awq": {}}),
+        _preset("w4a16-gptq-g64", "W4A16 INT4 g64, GPTQ with activation-weighted MSE group scales", "int4-g64", algorithms=_GPTQ_MSE),
+        _preset("w4a16-gptq-g128", "W4A16 INT4 g128, GPTQ with activation-weighted MSE group scales", "int4-g128", algorithms=_GPTQ_MSE),
+        _preset("w4a16-awq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ (scales + clipping)", "int4-g64-asym", algorithms={"awq": {}}),
         _preset("w4a16-awq-g128-asym", "W4A16 INT4 g128 asymmetric, AWQ (scales + clipping)", "int4-g128-asym",
                 algorithms={"awq": {}}),
         _preset("w4a16-awq-gptq-g64-asym", "W4A16 INT4 g64 asymmetric, AWQ scales then GPTQ (weighted-MSE scales)",

@@ -79,6 +79,7 @@ class QuantState:
     activations: dict[str, ActQuant] = field(default_factory=dict)
     kv: KVPlan | None = None
     calibration: object | None = None  # the CalibStats static scales came from (layer-by-layer runs)
+    scale_tuning: dict | None = None  # end-to-end scale tuning's held-out KL per epoch, epoch kept, steps, seconds
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from .gptq import gptq
 from .outliers import fake_quantize_with_outliers, outlier_channels
 from .roundopt import LearnedRounding, RoundingResult, optimize_rounding, straight_through
 from .rotation import hadamard, random_hadamard, rotate_weight_in, rotate_weight_out
+from .scaletune import ScaleTuneResult, kl_to_reference, tune_scales
 from .rtn import clip_ratios, mse_qparams
 from .smoothquant import smooth, smoothquant_scales
 
@@ -20,4 +21,5 @@ __all__ = [
     "hadamard", "random_hadamard", "rotate_weight_in", "rotate_weight_out",  # rotation
     "outlier_channels", "fake_quantize_with_outliers",              # outliers
     "optimize_rounding", "LearnedRounding", "RoundingResult", "straight_through",  # roundopt
+    "tune_scales", "ScaleTuneResult", "kl_to_reference",            # scaletune
 ]
