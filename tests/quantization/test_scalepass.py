@@ -139,6 +139,9 @@ def test_what_it_does_not_do_is_refused_before_any_work():
         quantize(model, _recipe(kv="fp8-tensor", gptq={}, tune_scales={}), token_windows(12, 16), progress=False)
     with pytest.raises(ValueError, match="holdout is 8"):
         quantize(model, _recipe(gptq={}, tune_scales={}), token_windows(8, 16), progress=False)
+    with pytest.raises(NotImplementedError, match="layer-by-layer export"):
+        quantize(model, _recipe(gptq={}, tune_scales={}), token_windows(12, 16), progress=False,
+                 on_layer=lambda i, state: None)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
