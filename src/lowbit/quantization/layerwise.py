@@ -48,8 +48,8 @@ from ..util.progress import staged_progress
 from .methods import RotationConfig
 from .recipe import Recipe
 from .roundpass import LayerRounding, check_round_opt
-from .scalepass import reference_copy, tune_model_scales
 from .runtime import ActQuant, QuantState
+from .scalepass import reference_copy, tune_model_scales
 from .transforms import residual_rotation_supported, rotate_down_input, rotate_residual_ends, rotate_residual_layer
 
 __all__ = ["quantize_layerwise"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from .methods import RoundOptConfig
 from .recipe import Recipe
 from .runtime import QuantState, quantized_activations
 
-__all__ = ["LayerRounding", "check_round_opt", "compute_dtype"]
+__all__ = ["LayerRounding", "check_round_opt", "compute_dtype", "frozen_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,20 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     else:
         native = False
     return torch.bfloat16 if native else None
+
+
+@contextmanager
+def frozen_parameters(module: nn.Module) -> Iterator[None]:
+    """``module``'s parameters without ``requires_grad`` (a training step differentiates only in
+    the weights it is handed), each set back as it was on exit."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def _out(o):
@@ -146,23 +162,17 @@ class LayerRounding:
         def forward(ws: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return _out(functional_call(layer, {local[n]: w for n, w in ws.items()}, (x,), kwargs))
 
-        grads = [(p, p.requires_grad) for p in layer.parameters()]
-        for p, _ in grads:
-            p.requires_grad_(False)
         # the final check's outputs can stand for the layer's outputs where a training batch is a whole
         # input chunk and the check's weights have the layer's dtype; only then are they kept
         chunks = {(x.data_ptr(), tuple(x.shape)) for x in saved["inputs"]}
         keep = (self.reuse_outputs and all(weights[n].dtype == modules[n].weight.dtype for n in weights)
                 and any((x.data_ptr(), tuple(x.shape)) in chunks for x, _ in saved["batches"]))
-        try:
+        with frozen_parameters(layer):
             result = A.optimize_rounding(forward, weights, {n: state.weights[n] for n in weights}, saved["batches"],
                                          steps=cfg.steps, lr=cfg.lr, clip_lr=cfg.clip_lr, learn_clip=cfg.learn_clip,
                                          clip_min=cfg.clip_min, checks=cfg.checks, threads=cfg.threads,
                                          compute=compute_dtype(cfg.compute, next(iter(weights.values())).device),
                                          keep_outputs=keep)
-        finally:
-            for p, flag in grads:
-                p.requires_grad_(flag)
         for n, qt in result.qtensors.items():
             modules[n].weight.copy_(dequantize(qt, modules[n].weight.dtype))
             if keep_qtensors:

@@ -22,6 +22,7 @@ from torch.func import functional_call
 from ..numerics.qtensor import dequantize
 from . import algorithms as A
 from .recipe import Recipe
+from .roundpass import frozen_parameters
 from .runtime import QuantState, quantized_activations
 
 __all__ = ["reference_copy", "tune_model_scales"]
@@ -68,15 +69,9 @@ def tune_model_scales(model: nn.Module, reference: nn.Module, recipe: Recipe, st
     def ref(ids: torch.Tensor) -> torch.Tensor:
         return reference(ids, use_cache=False).logits
 
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in flags:
-        p.requires_grad_(False)
-    try:
+    with frozen_parameters(model):
         result = A.tune_scales(forward, ref, {m: state.weights[m] for m in names}, dtypes, train, held,
                                epochs=cfg.epochs, lr=cfg.lr, progress=progress)
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
     with torch.no_grad():
         for m, qt in result.qtensors.items():
             modules[m].weight.copy_(dequantize(qt, dtypes[m]))
